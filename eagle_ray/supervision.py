@@ -1,0 +1,146 @@
+"""Draft vocabulary and the draft-side view of any target encoding (DESIGN §2.3, §2.4).
+
+Whatever encoding a backend ships (full `logits`, `last_hidden`, or `target_probs`), the trainer
+turns it into the same two tensors here: the target's distribution renormalised over the draft
+vocabulary, and a mask of positions whose full-vocabulary argmax the draft can express at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from eagle_ray.target_head import TargetHead
+    from eagle_ray.target_runner import Eagle3TargetBatch
+
+# Tokens per chunk when decoding last_hidden through the full-vocabulary head: bounds the
+# transient [chunk, V] logits (128k vocab x 4096 tokens x 4 B = 2 GiB at most).
+HEAD_CHUNK_TOKENS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftVocab:
+    """The draft's reduced vocabulary as ascending target token ids.
+
+    `d2t` is vLLM's offset form (`target_id = draft_id + d2t[draft_id]`); `t2d` marks the target
+    ids the draft can emit.
+
+    Example:
+        >>> vocab = DraftVocab.from_token_counts(torch.tensor([5, 0, 9, 1]), draft_vocab_size=2)
+        >>> vocab.draft_to_target.tolist(), vocab.d2t.tolist(), vocab.t2d.tolist()
+        ([0, 2], [0, 1], [True, False, True, False])
+    """
+
+    draft_to_target: torch.Tensor  # [V_draft] int64, ascending target ids
+    target_vocab_size: int
+
+    def __post_init__(self) -> None:
+        ids = self.draft_to_target
+        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype != torch.int64:
+            raise ValueError(f"draft_to_target must be a non-empty 1-D int64 tensor, got "
+                             f"{ids.dtype} {list(ids.shape)}")
+        if ids.min() < 0 or ids.max() >= self.target_vocab_size:
+            raise ValueError(f"draft_to_target ids must be in [0, {self.target_vocab_size})")
+        if ids.numel() > 1 and not torch.all(ids[1:] > ids[:-1]):
+            raise ValueError("draft_to_target must be strictly ascending (distinct target ids)")
+
+    @classmethod
+    def from_token_counts(cls, counts: torch.Tensor, draft_vocab_size: int) -> DraftVocab:
+        """The `draft_vocab_size` most frequent target tokens (ties broken by lower id)."""
+        if not 0 < draft_vocab_size <= counts.numel():
+            raise ValueError(f"draft_vocab_size must be in [1, {counts.numel()}], "
+                             f"got {draft_vocab_size}")
+        order = torch.argsort(counts.to(torch.float64), descending=True, stable=True)
+        chosen = torch.sort(order[:draft_vocab_size]).values
+        return cls(chosen.to(torch.int64), counts.numel())
+
+    @classmethod
+    def from_target_ids(cls, ids: Iterable[int], target_vocab_size: int) -> DraftVocab:
+        return cls(torch.tensor(sorted(set(ids)), dtype=torch.int64), target_vocab_size)
+
+    @property
+    def size(self) -> int:
+        return self.draft_to_target.numel()
+
+    @property
+    def d2t(self) -> torch.Tensor:
+        return self.draft_to_target - torch.arange(self.size)
+
+    @property
+    def t2d(self) -> torch.Tensor:
+        mask = torch.zeros(self.target_vocab_size, dtype=torch.bool)
+        mask[self.draft_to_target] = True
+        return mask
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"target_vocab_size": self.target_vocab_size,
+                                          "draft_to_target": self.draft_to_target.tolist()}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> DraftVocab:
+        data = json.loads(Path(path).read_text())
+        return cls(torch.tensor(data["draft_to_target"], dtype=torch.int64),
+                   int(data["target_vocab_size"]))
+
+
+def draft_target_from_logits(
+    logits: torch.Tensor, vocab: DraftVocab
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(probs [..., V_draft] fp32, position_mask [...] bool)` from full-vocabulary logits."""
+    if logits.shape[-1] != vocab.target_vocab_size:
+        raise ValueError(f"logits have {logits.shape[-1]} classes, the draft vocabulary maps "
+                         f"into {vocab.target_vocab_size}")
+    position_mask = vocab.t2d.to(logits.device)[logits.argmax(dim=-1)]
+    selected = logits[..., vocab.draft_to_target.to(logits.device)].float()
+    return torch.softmax(selected, dim=-1), position_mask
+
+
+def draft_target_from_hidden(
+    last_hidden: torch.Tensor, head: TargetHead, vocab: DraftVocab
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like `draft_target_from_logits`, decoding `last_hidden [..., H]` through the target head
+    in token chunks so the full-vocabulary logits never exist for the whole batch at once."""
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+    probs, masks = [], []
+    for chunk in flat.split(HEAD_CHUNK_TOKENS):
+        p, m = draft_target_from_logits(head(chunk), vocab)
+        probs.append(p)
+        masks.append(m)
+    lead = last_hidden.shape[:-1]
+    return torch.cat(probs).reshape(*lead, vocab.size), torch.cat(masks).reshape(lead)
+
+
+def draft_target(
+    batch: Eagle3TargetBatch, vocab: DraftVocab, head: TargetHead | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft-vocabulary target probabilities and position mask from a batch in any encoding."""
+    if batch.encoding == "logits":
+        return draft_target_from_logits(batch.logits, vocab)
+    if batch.encoding == "last_hidden":
+        if head is None:
+            raise ValueError("decoding the last_hidden encoding needs the target head "
+                             "(backend.get_target_head())")
+        return draft_target_from_hidden(batch.last_hidden, head, vocab)
+    if batch.target_probs.shape[-1] != vocab.size:
+        raise ValueError(f"batch target_probs cover {batch.target_probs.shape[-1]} draft tokens, "
+                         f"the draft vocabulary has {vocab.size}")
+    return batch.target_probs.float(), batch.position_mask
+
+
+def soft_cross_entropy(
+    draft_logits: torch.Tensor,
+    target_probs: torch.Tensor,
+    position_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Mean soft cross-entropy over slots where both `loss_mask` and `position_mask` hold."""
+    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
+    per_slot = -(target_probs * log_probs).sum(dim=-1)
+    weight = (loss_mask.bool() & position_mask.bool()).float()
+    return (per_slot * weight).sum() / weight.sum().clamp_min(1.0)
