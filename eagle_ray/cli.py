@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 logger = logging.getLogger("eagle_ray")
@@ -39,20 +40,29 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from eagle_ray.bench import backends, encodings
+    from eagle_ray.bench import backends, encodings, handoff
     from eagle_ray.hf_target import HFEagle3TargetModel
     from eagle_ray.supervision import DraftVocab
     from eagle_ray.testing import tiny_target
+    from eagle_ray.vllm_target import VLLMEagle3TargetModel
 
     if args.which == "encodings":
         encodings.run()
         return 0
+    if args.which == "handoff":
+        handoff.run()
+        return 0
     model_path = tiny_target(args.arch)
+    if args.which == "engine-start":
+        backends.run_engine_start(str(model_path))
+        return 0
     hf = HFEagle3TargetModel.from_pretrained(model_path, dtype=torch.float32)
     half_vocab = DraftVocab.from_token_counts(torch.ones(hf.vocab_size), hf.vocab_size // 2)
     hf = HFEagle3TargetModel(hf.model, hf.aux_layer_ids, draft_vocab=half_vocab)
     backends.run_measured_bytes(hf)
-    backends.run_backends({"hf": hf}, baseline="hf")
+    vllm = VLLMEagle3TargetModel.from_pretrained(model_path, dtype="float32")
+    backends.run_backends({"hf": hf, "vllm": vllm}, baseline="hf")
+    vllm.shutdown()
     return 0
 
 
@@ -69,13 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks; print JSON lines")
-    bench.add_argument("which", choices=["backends", "encodings"])
+    bench.add_argument("which", choices=["backends", "encodings", "handoff", "engine-start"])
     bench.add_argument("--arch", default="llama", choices=["llama", "qwen3"])
     bench.set_defaults(func=_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    # stdout carries results (JSON lines); vLLM logs to stdout unless told otherwise.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

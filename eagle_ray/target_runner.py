@@ -315,6 +315,9 @@ class RunnerOutput:
 
     aux_hidden_states: torch.Tensor  # [B, S, 3H], ascending layer order
     last_hidden: torch.Tensor  # [B, S, H], final hidden state before the final norm
+    # [B] the engine's own greedy next token after each row, when it samples one (vLLM does);
+    # the base checks it against the head applied to last_hidden (the self-check).
+    next_token_ids: torch.Tensor | None = None
 
 
 class TargetRunner(abc.ABC):
@@ -349,8 +352,10 @@ class RunnerEagle3TargetModel:
         encoding: Encoding = "last_hidden",
         draft_vocab: DraftVocab | None = None,
         max_length: int | None = None,
+        self_check: bool = True,
     ) -> None:
         self.runner = runner
+        self.self_check = self_check
         self.num_hidden_layers = num_hidden_layers
         self.vocab_size = vocab_size
         self._aux_layer_ids = validate_eagle3_aux_layer_ids(aux_layer_ids, num_hidden_layers)
@@ -398,6 +403,8 @@ class RunnerEagle3TargetModel:
                 f"{list(out.aux_hidden_states.shape)} and last_hidden "
                 f"{list(out.last_hidden.shape)} for a [{batch}, {seq}] batch"
             )
+        if self.self_check and out.next_token_ids is not None:
+            check_greedy_tokens(out.next_token_ids, out.last_hidden, attention_mask, self._head)
         fields = shift_supervision(input_ids, attention_mask, loss_mask,
                                    out.aux_hidden_states, out.last_hidden)
         last_hidden = fields.pop("last_hidden")
@@ -412,6 +419,39 @@ class RunnerEagle3TargetModel:
             **fields,
             target_probs=probs.masked_fill_(~has_next.unsqueeze(-1), 0),
             position_mask=position_mask & has_next,
+        )
+
+
+class SelfCheckError(RuntimeError):
+    """The engine's greedy token disagrees with the head applied to the captured final state."""
+
+
+def check_greedy_tokens(next_token_ids: torch.Tensor, last_hidden: torch.Tensor,
+                        attention_mask: torch.Tensor, head: TargetHead) -> None:
+    """Each row's engine-sampled greedy token must be the argmax of `head(last_hidden[last])`.
+
+    This catches the silent failures of capture: a layer-id convention off by one, a final norm
+    applied twice or not at all, a head in the wrong dtype. Near-ties (within the precision of
+    the head's dtype) are accepted.
+    """
+    last_position = attention_mask.sum(dim=1) - 1
+    rows = torch.arange(last_hidden.shape[0])
+    logits = head(last_hidden[rows, last_position]).float()  # [B, V]
+    best = logits.max(dim=-1).values
+    chosen = logits[rows, next_token_ids.to(logits.device)]
+    eps = torch.finfo(head.lm_head.weight.dtype).eps
+    tolerance = max(1e-4, 64 * eps) * best.abs().clamp_min(1.0)
+    bad = torch.nonzero(chosen < best - tolerance).flatten().tolist()
+    if bad:
+        row = bad[0]
+        raise SelfCheckError(
+            f"self-check failed on {len(bad)} of {len(rows)} rows: the engine's greedy token "
+            f"{int(next_token_ids[row])} (logit {float(chosen[row]):.4f}) is not the argmax "
+            f"{int(logits[row].argmax())} (logit {float(best[row]):.4f}) of the target head "
+            f"applied to the captured final hidden state (row {row}). Likely causes: capture "
+            "ids in the wrong layer-id convention (vLLM's are pre-layer: canonical k -> k + 1, "
+            "final state -> N), the final norm applied twice or not at all, or a dtype "
+            "mismatch between the engine and the head. Pass self_check=False only to debug."
         )
 
 

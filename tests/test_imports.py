@@ -20,7 +20,9 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 def test_package_imports_without_vllm():
     modules = ["eagle_ray", "eagle_ray.target_runner", "eagle_ray.hf_target",
-               "eagle_ray.supervision", "eagle_ray.testing", "eagle_ray.cli"]
+               "eagle_ray.supervision", "eagle_ray.testing", "eagle_ray.cli",
+               "eagle_ray.vllm_target", "eagle_ray.vllm_runner", "eagle_ray.vllm_handoff",
+               "eagle_ray.checkpoint"]
     code = BLOCK_VLLM + "".join(f"import {m}\n" for m in modules) + "print('ok')"
     result = run_python(code)
     assert result.returncode == 0, result.stderr
@@ -33,3 +35,10 @@ def test_contract_and_hf_backend_import_neither_ray_nor_vllm():
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_vllm_backend_module_does_not_import_vllm():
+    code = "import sys, eagle_ray.vllm_target, eagle_ray.vllm_runner; print('vllm' in sys.modules)"
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

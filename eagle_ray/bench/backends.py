@@ -10,7 +10,7 @@ from eagle_ray.testing import random_micro_batch
 
 logger = logging.getLogger(__name__)
 
-BATCH_SHAPES = [(4, 128), (16, 128), (8, 512)]
+BATCH_SHAPES = [(4, 128), (16, 128), (8, 384)]
 
 
 def tokens_per_second(backend: RunnerEagle3TargetModel, batch: int, seq: int,
@@ -38,3 +38,18 @@ def run_measured_bytes(backend: RunnerEagle3TargetModel) -> None:
     for encoding, size in sizes.items():
         emit("encodings", f"bytes_per_token.{encoding}", size, "B/token", model="tiny",
              baseline="logits", ratio=round(size / sizes["logits"], 4))
+
+
+def run_engine_start(model_path: str) -> None:
+    """vLLM engine start time, engine core in this process vs in its own process."""
+    from eagle_ray.vllm_target import VLLMEagle3TargetModel
+
+    seconds = {}
+    for mode, multiprocess in (("inprocess", False), ("multiprocess", True)):
+        target = VLLMEagle3TargetModel.from_pretrained(model_path, dtype="float32",
+                                                       multiprocess=multiprocess)
+        seconds[mode] = target.runner.start_seconds
+        target.shutdown()
+    for mode, value in seconds.items():
+        emit("engine_start", "seconds", round(value, 2), "s", engine_core=mode,
+             baseline="inprocess", ratio=round(value / seconds["inprocess"], 3))

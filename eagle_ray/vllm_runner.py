@@ -1,0 +1,255 @@
+"""Every vLLM-internal detail of the vLLM backend: engine construction, capture, hand-off, draining.
+
+`VLLMTargetRunner` builds one `vllm.LLM` whose speculative method is `extract_hidden_states`
+(capturing vLLM's pre-layer ids) and whose KV connector is eagle_ray's own
+(`eagle_ray.vllm_connector`). Per micro-batch it runs one batched `generate` with `max_tokens=1`,
+picks each request's `[num_tokens, num_ids, H]` states up from the hand-off, checks their
+length, and pads them back to `[B, S, ...]`. vLLM is imported only when an engine is built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from eagle_ray import vllm_handoff
+from eagle_ray.target_runner import RunnerOutput, TargetRunner
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_MODULE = "eagle_ray.vllm_connector"
+CONNECTOR_CLASS = "EagleRayHiddenStatesConnector"
+# Set by the runner itself; passing them in vllm_kwargs would silently break the capture.
+OWNED_KWARGS = ("model", "speculative_config", "kv_transfer_config", "skip_tokenizer_init")
+# Defaults that work on a small CPU machine; any key in vllm_kwargs wins.
+CPU_DEFAULTS: dict[str, Any] = {
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 512 * 2**20,
+    "enable_prefix_caching": False,
+}
+GPU_DEFAULTS: dict[str, Any] = {
+    "gpu_memory_utilization": 0.85,
+    "enable_prefix_caching": False,
+}
+HANDOFF_TIMEOUT_S = 120.0
+# vLLM keeps per-process globals (forward context, parallel state) that a second in-process
+# engine overwrites: its first engine then returns wrong hidden states. One per process.
+_live_inprocess_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+def cpu_thread_binding(tp_size: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` giving each TP rank its own share of this process's cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} needs at least {tp_size} cores on CPU, "
+                         f"this process may use {len(cores)}")
+    per_rank = len(cores) // tp_size
+    groups = [cores[r * per_rank:(r + 1) * per_rank] for r in range(tp_size)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+class VLLMTargetRunner(TargetRunner):
+    """Owns one vLLM engine that captures hidden states; see the module docstring.
+
+    `capture_ids` are vLLM's pre-layer ids (`vllm_capture_layer_ids`): the first three are the
+    aux layers, the last is the final pre-norm hidden state. `multiprocess` chooses where the
+    engine core runs (default: in this process when `tp_size == 1`, which starts faster and hands
+    states over through a dictionary); `handoff` is "inprocess", "shm" or "file" (default: the
+    cheapest that works for the process layout).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        capture_ids: Sequence[int],
+        hidden_size: int,
+        dtype: torch.dtype,
+        tp_size: int = 1,
+        trust_remote_code: bool = False,
+        vllm_kwargs: dict[str, Any] | None = None,
+        multiprocess: bool | None = None,
+        handoff: str | None = None,
+        handoff_dir: str | None = None,
+    ) -> None:
+        from vllm.platforms import current_platform
+
+        vllm_kwargs = dict(vllm_kwargs or {})
+        owned = sorted(set(vllm_kwargs) & set(OWNED_KWARGS))
+        if owned:
+            raise ValueError(f"vllm_kwargs may not set {owned}: the vLLM backend sets them to "
+                             f"capture hidden states; pass the model path and aux_layer_ids")
+        tp_from_kwargs = vllm_kwargs.pop("tensor_parallel_size", tp_size)
+        if tp_from_kwargs != tp_size:
+            raise ValueError(f"tp_size={tp_size} disagrees with vllm_kwargs "
+                             f"tensor_parallel_size={tp_from_kwargs}; pass one of them")
+        self.capture_ids = list(capture_ids)
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.is_cpu = current_platform.is_cpu()
+        self.multiprocess = (tp_size > 1) if multiprocess is None else multiprocess
+        self.handoff = handoff or ("shm" if self.multiprocess or tp_size > 1 else "inprocess")
+        if self.handoff not in vllm_handoff.HANDOFF_MODES:
+            raise ValueError(f"unknown handoff {self.handoff!r}; choose one of "
+                             f"{vllm_handoff.HANDOFF_MODES}")
+        if self.handoff == "inprocess" and (self.multiprocess or tp_size > 1):
+            raise ValueError("handoff='inprocess' needs the engine core and its only worker in "
+                             "this process (multiprocess=False, tp_size=1); use 'shm'")
+        if self.handoff == "file" and not handoff_dir:
+            raise ValueError("handoff='file' needs handoff_dir (a directory to write into)")
+        self.handoff_dir = handoff_dir or vllm_handoff.SHM_DIR
+        self.engine_tag = uuid.uuid4().hex[:12]
+        self._key_prefix = vllm_handoff.handoff_key(self.engine_tag, "")
+
+        engine_kwargs = {**(CPU_DEFAULTS if self.is_cpu else GPU_DEFAULTS), **vllm_kwargs}
+        engine_kwargs.update(
+            model=str(model_path),
+            dtype=str(dtype).removeprefix("torch."),
+            tensor_parallel_size=tp_size,
+            trust_remote_code=trust_remote_code,
+            skip_tokenizer_init=True,
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {
+                    "hf_config": {"eagle_aux_hidden_state_layer_ids": self.capture_ids}
+                },
+            },
+            kv_transfer_config={
+                "kv_connector": CONNECTOR_CLASS,
+                "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {
+                    "handoff": self.handoff,
+                    "handoff_dir": self.handoff_dir,
+                    "engine_tag": self.engine_tag,
+                },
+            },
+        )
+        self.llm = self._build_engine(engine_kwargs, tp_size)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        # Drop anything a crashed call left behind when this runner goes away.
+        self._finalizer = weakref.finalize(self, vllm_handoff.discard, self.handoff,
+                                           self.handoff_dir, self._key_prefix)
+
+    def _build_engine(self, engine_kwargs: dict[str, Any], tp_size: int):
+        from vllm import LLM
+
+        if not self.multiprocess:
+            if len(_live_inprocess_engines):
+                raise RuntimeError(
+                    "this process already runs an in-process vLLM engine, and vLLM's process-wide "
+                    "state cannot hold two; shut the other down first (.shutdown()) or build this "
+                    "one with multiprocess=True"
+                )
+            _live_inprocess_engines.add(self)
+
+        # An in-process engine freezes vLLM's environment variables for the whole process
+        # (vllm.envs cache); thaw them so this engine sees the settings below.
+        import vllm.envs
+
+        vllm.envs.disable_envs_cache()
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.multiprocess else "0"}
+        # vLLM's "auto" binding wants one NUMA node per TP rank; split this node's cores instead.
+        if self.is_cpu and tp_size > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
+                                                          "auto") == "auto":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp_size)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        started = time.perf_counter()
+        try:
+            llm = LLM(**engine_kwargs)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self.start_seconds = time.perf_counter() - started
+        logger.info("vLLM engine up in %.1fs (capture ids %s, tp=%d, %s engine core, %s hand-off)",
+                    self.start_seconds, self.capture_ids, tp_size,
+                    "multiprocess" if self.multiprocess else "in-process", self.handoff)
+        return llm
+
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RunnerOutput:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        lengths = attention_mask.sum(dim=1).tolist()
+        prompts = [TokensPrompt(prompt_token_ids=row[:n].tolist())
+                   for row, n in zip(input_ids, lengths, strict=True)]
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        keys = [(o.kv_transfer_params or {}).get(vllm_handoff.PARAMS_KEY) for o in outputs]
+        try:
+            if not self.multiprocess:
+                self._drain()
+            states = [self._take(key, n) for key, n in zip(keys, lengths, strict=True)]
+        except BaseException:
+            for key in keys:
+                if key is not None:
+                    vllm_handoff.discard(self.handoff, self.handoff_dir, key)
+            raise
+        return self._pad(states, input_ids.shape, outputs)
+
+    def _drain(self) -> None:
+        """Step an in-process engine until the scheduler is empty.
+
+        The connector gathers a request's states one engine step *after* it finishes; a
+        multiprocess engine core runs that step by itself, an in-process one only when stepped.
+        """
+        engine = self.llm.llm_engine
+        scheduler = engine.engine_core.engine_core.scheduler
+        while scheduler.has_requests():
+            engine.step()
+
+    def _take(self, key: str | None, num_tokens: int) -> torch.Tensor:
+        if key is None:
+            raise RuntimeError(
+                "vLLM returned no hidden-state key for a request: the eagle_ray KV connector is "
+                "not active in this engine (kv_transfer_config overridden?)"
+            )
+        shape = (num_tokens, len(self.capture_ids), self.hidden_size)
+        deadline = time.monotonic() + HANDOFF_TIMEOUT_S
+        delay = 1e-4
+        while True:
+            states = vllm_handoff.take(self.handoff, self.handoff_dir, key, shape, self.dtype)
+            if states is not None:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"hidden states {key} did not arrive within "
+                                   f"{HANDOFF_TIMEOUT_S:.0f}s; is the vLLM engine alive?")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+        if tuple(states.shape) != shape:
+            raise RuntimeError(f"vLLM handed back hidden states of shape {list(states.shape)} "
+                               f"for a request of {num_tokens} tokens; expected {list(shape)}")
+        return states
+
+    def _pad(self, states: list[torch.Tensor], batch_shape: torch.Size,
+             outputs: list) -> RunnerOutput:
+        batch, seq = batch_shape
+        num_aux = len(self.capture_ids) - 1
+        aux = torch.zeros(batch, seq, num_aux * self.hidden_size, dtype=self.dtype)
+        last = torch.zeros(batch, seq, self.hidden_size, dtype=self.dtype)
+        for row, s in enumerate(states):
+            n = s.shape[0]
+            # Layer axis follows vLLM's sorted ids == ours (ascending aux ids, then N).
+            aux[row, :n] = s[:, :num_aux].reshape(n, num_aux * self.hidden_size)
+            last[row, :n] = s[:, num_aux]
+        greedy = torch.tensor([o.outputs[0].token_ids[0] for o in outputs], dtype=torch.long)
+        return RunnerOutput(aux_hidden_states=aux, last_hidden=last, next_token_ids=greedy)
+
+    def shutdown(self) -> None:
+        """Stop the engine (and its processes) and drop any leftover hand-off data."""
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        _live_inprocess_engines.discard(self)
+        self._finalizer()

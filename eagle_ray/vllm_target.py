@@ -1,0 +1,93 @@
+"""The vLLM target backend: a real vLLM engine wrapped as an EAGLE-3 target.
+
+Importing this module does not import vLLM; `from_pretrained` does, when it builds the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig
+
+from eagle_ray.checkpoint import load_embedding_and_head, resolve_dtype
+from eagle_ray.supervision import DraftVocab
+from eagle_ray.target_runner import (
+    Encoding,
+    RunnerEagle3TargetModel,
+    default_eagle3_aux_layer_ids,
+    vllm_capture_layer_ids,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
+    """EAGLE-3 target backend on a (tensor-parallel) vLLM engine.
+
+    The engine captures the aux layers and the final pre-norm hidden state through vLLM's
+    `extract_hidden_states` method; the embedding and head are read from the checkpoint
+    (never a second full model). A self-check (on by default) compares vLLM's own greedy token
+    with the head applied to the captured final state on every micro-batch.
+
+    Example:
+        >>> target = VLLMEagle3TargetModel.from_pretrained(path, dtype="bfloat16", tp_size=2,
+        ...                                                vllm_kwargs={"max_model_len": 4096})
+        ...                                                # doctest: +SKIP
+        >>> batch = target.generate_batch(input_ids, attention_mask, loss_mask)  # doctest: +SKIP
+    """
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_path: str | Path,
+        aux_layer_ids: Sequence[int] | None = None,
+        dtype: torch.dtype | str | None = None,
+        tp_size: int = 1,
+        trust_remote_code: bool = False,
+        vllm_kwargs: dict[str, Any] | None = None,
+        *,
+        encoding: Encoding = "last_hidden",
+        draft_vocab: DraftVocab | None = None,
+        self_check: bool = True,
+        multiprocess: bool | None = None,
+        handoff: str | None = None,
+        handoff_dir: str | None = None,
+    ) -> VLLMEagle3TargetModel:
+        """Build the engine. `vllm_kwargs` go to `vllm.LLM` untouched, over small-machine
+        defaults (`eagle_ray.vllm_runner.CPU_DEFAULTS` / `GPU_DEFAULTS`)."""
+        from eagle_ray.vllm_runner import VLLMTargetRunner
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        text_config = config.get_text_config()
+        torch_dtype = resolve_dtype(dtype, text_config)
+        num_layers = text_config.num_hidden_layers
+        if aux_layer_ids is None:
+            aux_layer_ids = default_eagle3_aux_layer_ids(num_layers)
+        capture_ids = vllm_capture_layer_ids(aux_layer_ids, num_layers)
+        embedding, head = load_embedding_and_head(model_path, torch_dtype, trust_remote_code)
+        runner = VLLMTargetRunner(
+            str(model_path), capture_ids, text_config.hidden_size, torch_dtype, tp_size=tp_size,
+            trust_remote_code=trust_remote_code, vllm_kwargs=vllm_kwargs,
+            multiprocess=multiprocess, handoff=handoff, handoff_dir=handoff_dir,
+        )
+        return cls(
+            runner,
+            num_hidden_layers=num_layers,
+            vocab_size=text_config.vocab_size,
+            aux_layer_ids=aux_layer_ids,
+            embedding=embedding,
+            head=head,
+            encoding=encoding,
+            draft_vocab=draft_vocab,
+            # vLLM needs room for the one sampled token after the prompt.
+            max_length=runner.max_model_len - 1,
+            self_check=self_check,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the engine and free what it holds."""
+        self.runner.shutdown()

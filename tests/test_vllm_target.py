@@ -1,0 +1,202 @@
+"""The vLLM backend on a real (CPU) vLLM engine equals the HF reference.
+
+Engines are expensive (10-25 s each on 2 cores): one in-process Llama engine for the session, and
+module-scoped multiprocess engines for the cases that need their own configuration.
+"""
+
+import os
+
+import pytest
+import torch
+
+from eagle_ray import vllm_handoff
+from eagle_ray.hf_target import HFEagle3TargetModel
+from eagle_ray.target_head import TargetHead
+from eagle_ray.target_runner import RunnerEagle3TargetModel, SelfCheckError
+from eagle_ray.testing import random_micro_batch
+from eagle_ray.vllm_target import VLLMEagle3TargetModel
+
+pytestmark = pytest.mark.slow
+
+# fp32 on CPU: measured max abs difference ~1e-5 against HF (different kernels, same math).
+FP32_ATOL = 5e-5
+
+
+@pytest.fixture(scope="module")
+def vllm_llama(llama_path):
+    target = VLLMEagle3TargetModel.from_pretrained(llama_path, dtype="float32")
+    yield target
+    target.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vllm_qwen3(qwen3_path):
+    target = VLLMEagle3TargetModel.from_pretrained(qwen3_path, dtype="float32", multiprocess=True)
+    yield target
+    target.shutdown()
+
+
+def assert_matches_reference(batch, reference, head, atol=FP32_ATOL):
+    assert batch.aux_hidden_states.dtype == reference.aux_hidden_states.dtype
+    for name in ("input_ids", "attention_mask", "loss_mask"):
+        assert torch.equal(batch.tensors()[name], reference.tensors()[name]), name
+    torch.testing.assert_close(batch.aux_hidden_states, reference.aux_hidden_states,
+                               rtol=0, atol=atol)
+    torch.testing.assert_close(batch.last_hidden, reference.last_hidden, rtol=0, atol=atol)
+    logits, reference_logits = head(batch.last_hidden), head(reference.last_hidden)
+    torch.testing.assert_close(logits, reference_logits, rtol=0, atol=atol)
+    has_next = reference.attention_mask.bool().roll(-1, 1)
+    has_next[:, -1] = False
+    assert torch.equal(logits.argmax(-1)[has_next], reference_logits.argmax(-1)[has_next])
+
+
+@pytest.mark.parametrize("lengths", [(17, 9, 30, 4), (1, 64), (33,)])
+def test_llama_equals_hf_on_mixed_length_batches(vllm_llama, hf_llama, lengths):
+    batch_args = random_micro_batch(vllm_llama.vocab_size, lengths, seed=sum(lengths))
+    batch = vllm_llama.generate_batch(*batch_args)
+    reference = hf_llama.generate_batch(*batch_args)
+    assert_matches_reference(batch, reference, hf_llama.get_target_head())
+
+
+def test_qwen3_equals_hf(vllm_qwen3, hf_qwen3):
+    batch_args = random_micro_batch(vllm_qwen3.vocab_size, (12, 40, 7))
+    assert_matches_reference(vllm_qwen3.generate_batch(*batch_args),
+                             hf_qwen3.generate_batch(*batch_args), hf_qwen3.get_target_head())
+
+
+def test_repeated_calls_give_the_same_result_and_leave_nothing_behind(vllm_llama):
+    batch_args = random_micro_batch(vllm_llama.vocab_size, (20, 11))
+    first = vllm_llama.generate_batch(*batch_args)
+    for _ in range(3):
+        again = vllm_llama.generate_batch(*batch_args)
+        assert torch.equal(again.aux_hidden_states, first.aux_hidden_states)
+    runner = vllm_llama.runner
+    assert runner.handoff == "inprocess"
+    assert not [k for k in vllm_handoff._INPROCESS if k.startswith(runner._key_prefix)]
+    assert not runner.llm.llm_engine.engine_core.engine_core.scheduler.has_requests()
+
+
+def test_multiprocess_handoff_goes_through_shared_memory_and_cleans_up(vllm_qwen3):
+    runner = vllm_qwen3.runner
+    assert runner.handoff == "shm"
+    vllm_qwen3.generate_batch(*random_micro_batch(vllm_qwen3.vocab_size, (5, 9)))
+    leftovers = [f for f in os.listdir(runner.handoff_dir) if f.startswith(runner._key_prefix)]
+    assert leftovers == []
+
+
+def test_embedding_and_head_come_from_the_checkpoint(vllm_llama, hf_llama):
+    assert torch.equal(vllm_llama.get_input_embeddings().weight,
+                       hf_llama.get_input_embeddings().weight)
+    head, reference = vllm_llama.get_target_head(), hf_llama.get_target_head()
+    assert type(head.norm) is type(reference.norm)
+    assert torch.equal(head.lm_head.weight, reference.lm_head.weight)
+    assert torch.equal(head.norm.weight, reference.norm.weight)
+
+
+def test_explicit_aux_ids_equal_hf(llama_path, hf_llama):
+    target = VLLMEagle3TargetModel.from_pretrained(llama_path, aux_layer_ids=[0, 2, 5],
+                                                   dtype="float32", multiprocess=True)
+    try:
+        reference_backend = HFEagle3TargetModel(hf_llama.model, aux_layer_ids=[0, 2, 5])
+        batch_args = random_micro_batch(target.vocab_size, (10, 25))
+        assert_matches_reference(target.generate_batch(*batch_args),
+                                 reference_backend.generate_batch(*batch_args),
+                                 hf_llama.get_target_head())
+    finally:
+        target.shutdown()
+
+
+def test_tensor_parallel_two_equals_hf(llama_path, hf_llama):
+    target = VLLMEagle3TargetModel.from_pretrained(llama_path, dtype="float32", tp_size=2)
+    try:
+        batch_args = random_micro_batch(target.vocab_size, (18, 6, 29))
+        assert_matches_reference(target.generate_batch(*batch_args),
+                                 hf_llama.generate_batch(*batch_args),
+                                 hf_llama.get_target_head())
+    finally:
+        target.shutdown()
+
+
+def test_bfloat16_agrees_with_fp32_reference_within_bf16_precision(llama_path, hf_llama):
+    target = VLLMEagle3TargetModel.from_pretrained(llama_path, dtype="bfloat16",
+                                                   multiprocess=True)
+    try:
+        batch_args = random_micro_batch(target.vocab_size, (40, 23, 31), seed=3)
+        batch = target.generate_batch(*batch_args)
+        reference = hf_llama.generate_batch(*batch_args)
+        assert batch.aux_hidden_states.dtype == torch.bfloat16
+        valid = reference.attention_mask.bool()
+        cosine = torch.nn.functional.cosine_similarity(
+            batch.aux_hidden_states.float(), reference.aux_hidden_states, dim=-1)[valid]
+        assert cosine.min() > 0.99, f"aux cosine min {cosine.min():.4f}"
+        has_next = valid.roll(-1, 1)
+        has_next[:, -1] = False
+        head = hf_llama.get_target_head()
+        agree = (head(batch.last_hidden.float()).argmax(-1)
+                 == head(reference.last_hidden).argmax(-1))[has_next].float().mean()
+        assert agree > 0.9, f"bf16 argmax agreement {agree:.3f}"
+    finally:
+        target.shutdown()
+
+
+def test_self_check_fires_when_capture_ids_are_off_by_one(llama_path, vllm_llama):
+    from eagle_ray.vllm_runner import VLLMTargetRunner
+
+    ids = vllm_llama.aux_layer_ids
+    n = vllm_llama.num_hidden_layers
+    # The classic bug: canonical ids passed to vLLM untranslated, so "final" is layer N-1's input.
+    runner = VLLMTargetRunner(str(llama_path), [*ids, n - 1], hidden_size=128,
+                              dtype=torch.float32, multiprocess=True)
+    try:
+        wrong = RunnerEagle3TargetModel(
+            runner, num_hidden_layers=n, vocab_size=vllm_llama.vocab_size, aux_layer_ids=ids,
+            embedding=vllm_llama.get_input_embeddings(), head=vllm_llama.get_target_head())
+        with pytest.raises(SelfCheckError, match="layer-id convention"):
+            wrong.generate_batch(*random_micro_batch(vllm_llama.vocab_size, (12, 30, 21)))
+    finally:
+        runner.shutdown()
+
+
+class TestBadInput:
+    def test_ids_outside_vocabulary(self, vllm_llama):
+        ids, attn, loss = random_micro_batch(vllm_llama.vocab_size, (5, 3))
+        ids[0, 1] = vllm_llama.vocab_size + 7
+        with pytest.raises(ValueError, match="target's vocabulary"):
+            vllm_llama.generate_batch(ids, attn, loss)
+
+    def test_row_longer_than_max_model_len(self, vllm_llama):
+        n = vllm_llama.runner.max_model_len
+        ids = torch.full((1, n), 5)
+        with pytest.raises(ValueError, match=f"{n} tokens but the target accepts at most {n - 1}"):
+            vllm_llama.generate_batch(ids, torch.ones_like(ids), torch.ones_like(ids))
+
+    def test_empty_batch(self, vllm_llama):
+        empty = torch.zeros(0, 4, dtype=torch.long)
+        with pytest.raises(ValueError, match="empty micro-batch"):
+            vllm_llama.generate_batch(empty, empty, empty)
+
+    def test_wrong_dtype(self, vllm_llama):
+        ids, attn, loss = random_micro_batch(vllm_llama.vocab_size, (5,))
+        with pytest.raises(TypeError, match="integer token ids"):
+            vllm_llama.generate_batch(ids.float(), attn, loss)
+
+    def test_engine_keeps_serving_correctly_afterwards(self, vllm_llama, hf_llama):
+        batch_args = random_micro_batch(vllm_llama.vocab_size, (14, 8), seed=11)
+        assert_matches_reference(vllm_llama.generate_batch(*batch_args),
+                                 hf_llama.generate_batch(*batch_args),
+                                 hf_llama.get_target_head())
+
+
+def test_engine_owned_kwargs_cannot_be_overridden(llama_path):
+    with pytest.raises(ValueError, match="may not set.*speculative_config"):
+        VLLMEagle3TargetModel.from_pretrained(
+            llama_path, vllm_kwargs={"speculative_config": {"method": "eagle3"}})
+
+
+def test_second_in_process_engine_is_refused(llama_path, vllm_llama):
+    with pytest.raises(RuntimeError, match="already runs an in-process vLLM engine"):
+        VLLMEagle3TargetModel.from_pretrained(llama_path, dtype="float32", multiprocess=False)
+
+
+def test_head_is_a_target_head(vllm_llama):
+    assert isinstance(vllm_llama.get_target_head(), TargetHead)
