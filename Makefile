@@ -19,4 +19,4 @@ bench: setup
 	$(VENV)/bin/eagle-ray bench backends
 
 lint: setup
-	$(VENV)/bin/ruff check eagle_ray tests examples
+	$(VENV)/bin/ruff check .
