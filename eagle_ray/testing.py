@@ -13,9 +13,14 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
+from torch import nn
+
+from eagle_ray.target_head import TargetHead
+from eagle_ray.target_runner import RunnerEagle3TargetModel, RunnerOutput, TargetRunner
 
 logger = logging.getLogger(__name__)
 
@@ -183,3 +188,56 @@ def random_micro_batch(vocab_size: int, lengths: tuple[int, ...] = (17, 9, 30, 4
         attention_mask[i, :n] = 1
         loss_mask[i, n // 2 : n] = 1
     return input_ids, attention_mask, loss_mask
+
+
+class SyntheticRunner(TargetRunner):
+    """A stand-in engine for tests and benchmarks *about the pool* (routing, failures, scaling):
+    hidden states are a cheap deterministic function of the token ids and position, produced
+    after a fixed delay, so every result can be checked against its own input."""
+
+    def __init__(self, hidden_size: int, seconds_per_call: float, seconds_per_token: float,
+                 fail_once_marker: str | None = None):
+        self.hidden_size = hidden_size
+        self.seconds_per_call = seconds_per_call
+        self.seconds_per_token = seconds_per_token
+        self.fail_once_marker = fail_once_marker  # file: the first engine to see token 0 fails
+
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RunnerOutput:
+        if self.fail_once_marker and bool((input_ids[attention_mask.bool()] == 0).any()):
+            try:
+                with open(self.fail_once_marker, "x"):
+                    pass
+            except FileExistsError:
+                pass
+            else:
+                raise RuntimeError("synthetic engine failure (fail_once_marker)")
+        tokens = int(attention_mask.sum())
+        time.sleep(self.seconds_per_call + self.seconds_per_token * tokens)
+        return RunnerOutput(aux_hidden_states=synthetic_aux_states(input_ids, self.hidden_size),
+                            last_hidden=-input_ids.float().unsqueeze(-1).expand(
+                                *input_ids.shape, self.hidden_size).clone())
+
+
+def synthetic_aux_states(input_ids: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """What `SyntheticRunner` returns as aux states: `[B, S, 3H]`, token id times (1..3H)."""
+    scale = torch.arange(1, 3 * hidden_size + 1, dtype=torch.float32)
+    return input_ids.float().unsqueeze(-1) * scale
+
+
+def fixed_latency_target(config) -> RunnerEagle3TargetModel:
+    """Pool backend factory (`backend: "eagle_ray.testing:fixed_latency_target"`).
+
+    `backend_kwargs`: `vocab_size` (1024), `hidden_size` (8), `seconds_per_call` (0),
+    `seconds_per_token` (0), `fail_once_marker` (None: never fail).
+    """
+    options = {"vocab_size": 1024, "hidden_size": 8, "seconds_per_call": 0.0,
+               "seconds_per_token": 0.0, "fail_once_marker": None, **config.backend_kwargs}
+    vocab, hidden = options["vocab_size"], options["hidden_size"]
+    runner = SyntheticRunner(hidden, options["seconds_per_call"], options["seconds_per_token"],
+                             options["fail_once_marker"])
+    return RunnerEagle3TargetModel(
+        runner, num_hidden_layers=8, vocab_size=vocab, aux_layer_ids=[1, 3, 4],
+        embedding=nn.Embedding(vocab, hidden),
+        head=TargetHead(nn.RMSNorm(hidden), nn.Linear(hidden, vocab, bias=False)),
+        max_length=4096,
+    )

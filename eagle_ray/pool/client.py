@@ -1,0 +1,290 @@
+"""The client a draft-training worker uses to get supervision from the pool.
+
+Per micro-batch: validate here (before anything travels), put the inputs in the object store once,
+ask the router for a lease, call the leased replica directly, and read the result from the object
+store. The client owns every result, so it survives a router restart; it re-runs a micro-batch on
+another replica when its replica dies, times out or reports an engine error, and drops late
+duplicates. Results come back in submission order, exactly once.
+
+Example:
+    >>> client = PoolClient.connect("eagle_ray_pool", namespace="eagle_ray")  # doctest: +SKIP
+    >>> for batch in client.stream(micro_batches):  # (input_ids, attention_mask, loss_mask)
+    ...     train_step(batch)                                                     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import ray
+import torch
+from ray.actor import ActorHandle
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from eagle_ray.pool.config import ClientConfig
+from eagle_ray.pool.router import NoReplicaAvailable
+from eagle_ray.pool.transport import batch_from_numpy
+from eagle_ray.target_runner import Eagle3TargetBatch, validate_micro_batch
+
+logger = logging.getLogger(__name__)
+
+ROUTER_RETRY_S = 0.5  # pause before asking a restarting router again
+MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class MicroBatchFailed(RuntimeError):
+    """A micro-batch could not be served; the message says where it was tried and why."""
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """One submitted micro-batch and where it stands."""
+
+    micro_batch_id: int
+    inputs: list[ray.ObjectRef]  # input_ids, attention_mask, loss_mask (put once, reused)
+    num_tokens: int
+    lease_ref: ray.ObjectRef | None = None
+    result_ref: ray.ObjectRef | None = None
+    replica: str | None = None
+    deadline: float = 0.0
+    attempts: int = 0
+    failed_on: list[str] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+    retry_lease_at: float = 0.0  # router unreachable: ask again after this time
+    result: Eagle3TargetBatch | None = None
+    error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+class PoolClient:
+    """Submit micro-batches, receive `Eagle3TargetBatch`es; see the module docstring.
+
+    Backpressure: at most `max_inflight_micro_batches` (and `max_inflight_tokens`) submitted and
+    not yet consumed; `submit` waits for running ones to finish when the window is full.
+    """
+
+    def __init__(self, router: ActorHandle, target_info: dict[str, Any],
+                 config: ClientConfig | None = None, router_name: str | None = None,
+                 namespace: str | None = None) -> None:
+        self._router = router
+        self._router_name, self._namespace = router_name, namespace
+        self.config = config or ClientConfig()
+        self.vocab_size = int(target_info["vocab_size"])
+        self.max_length = target_info.get("max_length")
+        self._ids = itertools.count()
+        self._inflight: collections.OrderedDict[int, _InFlight] = collections.OrderedDict()
+        self.stats = {"submitted": 0, "delivered": 0, "retries": 0, "abandoned_attempts": 0,
+                      "max_inflight": 0, "wait_seconds": 0.0}
+
+    @classmethod
+    def connect(cls, pool_name: str = "eagle_ray_pool", namespace: str = "eagle_ray",
+                config: ClientConfig | None = None) -> PoolClient:
+        """A client for a running pool, found by name (works from any job or actor)."""
+        router_name = f"{pool_name}-router"
+        router = ray.get_actor(router_name, namespace=namespace)
+        config = config or ClientConfig()
+        info = ray.get(router.target_info.remote(config.lease_timeout_s))
+        return cls(router, info, config, router_name, namespace)
+
+    # ------------------------------------------------------------------ public API
+
+    def submit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               loss_mask: torch.Tensor | None = None) -> int:
+        """Queue one micro-batch; returns its id. Bad input raises here, before it travels."""
+        if loss_mask is None:
+            loss_mask = attention_mask
+        validate_micro_batch(input_ids, attention_mask, loss_mask, vocab_size=self.vocab_size,
+                             max_length=self.max_length)
+        num_tokens = int(attention_mask.sum())
+        self._wait_for_room(num_tokens)
+        micro_batch_id = next(self._ids)
+        inputs = [ray.put(t.detach().cpu().numpy()) for t in (input_ids, attention_mask, loss_mask)]
+        item = _InFlight(micro_batch_id, inputs, num_tokens)
+        self._inflight[micro_batch_id] = item
+        self._lease(item)
+        self.stats["submitted"] += 1
+        self.stats["max_inflight"] = max(self.stats["max_inflight"], len(self._inflight))
+        return micro_batch_id
+
+    def next_result(self) -> tuple[int, Eagle3TargetBatch]:
+        """The oldest submitted micro-batch's supervision (blocks until it is ready)."""
+        if not self._inflight:
+            raise RuntimeError("no micro-batch in flight: submit() before next_result()")
+        oldest = next(iter(self._inflight.values()))
+        return oldest.micro_batch_id, self.result(oldest.micro_batch_id)
+
+    def result(self, micro_batch_id: int) -> Eagle3TargetBatch:
+        """The supervision of one submitted micro-batch; each is delivered exactly once."""
+        item = self._inflight.get(micro_batch_id)
+        if item is None:
+            raise KeyError(f"micro-batch {micro_batch_id} is not in flight (never submitted, or "
+                           f"already delivered)")
+        started = time.monotonic()
+        while not item.done:
+            self._pump(timeout=1.0)
+        self.stats["wait_seconds"] += time.monotonic() - started
+        del self._inflight[micro_batch_id]
+        if item.error is not None:
+            raise item.error
+        self.stats["delivered"] += 1
+        return item.result
+
+    def stream(self, micro_batches: Iterable[MicroBatch]) -> Iterator[Eagle3TargetBatch]:
+        """Supervision for each `(input_ids, attention_mask, loss_mask)`, in order, keeping up
+        to the in-flight window submitted ahead (target latency overlaps the caller's work)."""
+        source = iter(micro_batches)
+        exhausted = False
+        while True:
+            while not exhausted and self._has_room():
+                try:
+                    self.submit(*next(source))
+                except StopIteration:
+                    exhausted = True
+            if not self._inflight:
+                return
+            yield self.next_result()[1]
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    # ------------------------------------------------------------------ flow control
+
+    def _has_room(self, num_tokens: int = 0) -> bool:
+        tokens = sum(i.num_tokens for i in self._inflight.values())
+        return (len(self._inflight) < self.config.max_inflight_micro_batches
+                and (not self._inflight
+                     or tokens + num_tokens <= self.config.max_inflight_tokens))
+
+    def _wait_for_room(self, num_tokens: int) -> None:
+        started = time.monotonic()
+        while not self._has_room(num_tokens):
+            if all(i.done for i in self._inflight.values()):
+                raise RuntimeError(
+                    f"the in-flight window is full of results nobody consumed "
+                    f"({len(self._inflight)} micro-batches): call next_result() before "
+                    f"submitting more, or use stream()")
+            self._pump(timeout=1.0)
+        self.stats["wait_seconds"] += time.monotonic() - started
+
+    # ------------------------------------------------------------------ the state machine
+
+    def _lease(self, item: _InFlight) -> None:
+        """Ask the router for a replica, avoiding those this micro-batch already failed on."""
+        item.lease_ref = self._router.acquire.remote(
+            item.micro_batch_id, item.num_tokens, item.failed_on, self.config.lease_timeout_s)
+
+    def _pump(self, timeout: float) -> None:
+        """Advance every in-flight micro-batch whose lease or result is ready."""
+        now = time.monotonic()
+        waiting: dict[ray.ObjectRef, _InFlight] = {}
+        for item in self._inflight.values():
+            if item.done:
+                continue
+            if item.lease_ref is None and item.result_ref is None and now >= item.retry_lease_at:
+                self._lease(item)
+            if item.lease_ref is not None:
+                waiting[item.lease_ref] = item
+            elif item.result_ref is not None:
+                if now > item.deadline:
+                    self._attempt_failed(item, f"timed out after {self.config.timeout_s:.0f}s",
+                                         replica_died=False, cancel=True)
+                else:
+                    waiting[item.result_ref] = item
+        if not waiting:
+            time.sleep(min(timeout, ROUTER_RETRY_S))
+            return
+        ready, _ = ray.wait(list(waiting), num_returns=1, timeout=timeout)
+        if ready:
+            ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=0)
+        for ref in ready:
+            item = waiting[ref]
+            if ref is item.lease_ref:
+                self._on_lease(item)
+            else:
+                self._on_result(item)
+
+    def _on_lease(self, item: _InFlight) -> None:
+        lease_ref, item.lease_ref = item.lease_ref, None
+        try:
+            replica, handle = ray.get(lease_ref)
+        except RayActorError:
+            # The router is restarting (or was replaced): ask again shortly.
+            logger.warning("router unreachable; retrying lease for micro-batch %d",
+                           item.micro_batch_id)
+            item.retry_lease_at = time.monotonic() + ROUTER_RETRY_S
+            self._reconnect_router()
+            return
+        except RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, NoReplicaAvailable):
+                item.error = MicroBatchFailed(str(cause))
+                return
+            raise
+        item.replica = replica
+        item.attempts += 1
+        item.deadline = time.monotonic() + self.config.timeout_s
+        item.result_ref = handle.generate.remote(item.micro_batch_id, *item.inputs)
+
+    def _on_result(self, item: _InFlight) -> None:
+        try:
+            payload = ray.get(item.result_ref, timeout=0)
+        except RayActorError as e:
+            self._attempt_failed(item, f"replica died ({type(e).__name__})", replica_died=True)
+            return
+        except RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, ValueError | TypeError):
+                self._release(item, ok=False)
+                item.error = cause  # bad input: the same on every replica
+                return
+            self._attempt_failed(item, f"{type(cause).__name__}: {cause}", replica_died=False)
+            return
+        except GetTimeoutError:  # not actually ready; look again next round
+            return
+        self._release(item, ok=True)
+        item.result_ref = None
+        item.result = batch_from_numpy(payload)
+
+    def _attempt_failed(self, item: _InFlight, reason: str, replica_died: bool,
+                        cancel: bool = False) -> None:
+        """Re-run the micro-batch elsewhere; a late result of this attempt is dropped."""
+        if cancel and item.result_ref is not None:
+            ray.cancel(item.result_ref)
+            self.stats["abandoned_attempts"] += 1
+        self._release(item, ok=False, replica_died=replica_died)
+        item.failed_on.append(item.replica)
+        item.errors.append(f"{item.replica}: {reason}")
+        item.result_ref, item.replica = None, None
+        if item.attempts >= self.config.max_attempts:
+            item.error = MicroBatchFailed(
+                f"micro-batch {item.micro_batch_id} failed {item.attempts} times: "
+                + "; ".join(item.errors))
+            return
+        logger.warning("micro-batch %d: %s; re-running on another replica",
+                       item.micro_batch_id, item.errors[-1])
+        self.stats["retries"] += 1
+        self._lease(item)
+
+    def _release(self, item: _InFlight, ok: bool, replica_died: bool = False) -> None:
+        try:
+            self._router.release.remote(item.replica, item.num_tokens, ok, replica_died)
+        except RayActorError:
+            pass  # a restarted router starts counting afresh
+
+    def _reconnect_router(self) -> None:
+        if self._router_name is None:
+            return
+        try:
+            self._router = ray.get_actor(self._router_name, namespace=self._namespace)
+        except ValueError:
+            pass  # not back yet

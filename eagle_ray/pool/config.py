@@ -1,0 +1,69 @@
+"""The pool's configuration (validated: unknown keys and wrong types are errors)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from eagle_ray.config import ConfigError
+
+
+@dataclasses.dataclass
+class PoolConfig:
+    """What `TargetPool` builds. Every key is documented in the README ("Pool config keys")."""
+
+    model_path: str | None = None  # None: the tiny built-in Llama target (eagle_ray.testing)
+    backend: str = "vllm"  # "vllm", "hf", or "package.module:factory" (factory(config) -> backend)
+    replicas: int = 1
+    tp_size: int = 1
+    dtype: str = "auto"
+    aux_layer_ids: list[int] | None = None
+    encoding: Literal["last_hidden", "logits"] = "last_hidden"
+    vllm_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    backend_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Placement: one group per replica, one bundle per TP rank.
+    use_gpu: bool = False
+    cpus_per_bundle: float = 1.0
+    bundle_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    runtime_env: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Naming: actors live in `namespace`; a detached pool outlives the job that made it.
+    name: str = "eagle_ray_pool"
+    namespace: str = "eagle_ray"
+    detached: bool = False
+    # Load: the router keeps at most this many tokens outstanding on one replica.
+    max_outstanding_tokens_per_replica: int = 16384
+    ready_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise ConfigError(f"replicas must be >= 0, got {self.replicas}")
+        if self.tp_size < 1:
+            raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.max_outstanding_tokens_per_replica < 1:
+            raise ConfigError("max_outstanding_tokens_per_replica must be >= 1")
+        if self.backend not in ("vllm", "hf") and ":" not in self.backend:
+            raise ConfigError(f"backend must be 'vllm', 'hf' or 'module:factory', "
+                              f"got {self.backend!r}")
+
+    @property
+    def router_name(self) -> str:
+        return f"{self.name}-router"
+
+    def replica_name(self, index: int) -> str:
+        return f"{self.name}-replica-{index}"
+
+    @property
+    def replica_prefix(self) -> str:
+        return f"{self.name}-replica-"
+
+
+@dataclasses.dataclass
+class ClientConfig:
+    """Per-client flow control and retry policy."""
+
+    max_inflight_micro_batches: int = 8  # submitted but not yet consumed (backpressure)
+    max_inflight_tokens: int = 65536
+    timeout_s: float = 600.0  # one attempt on one replica; then it is re-run elsewhere
+    max_attempts: int = 4
+    lease_timeout_s: float = 600.0  # waiting for any replica to accept a micro-batch

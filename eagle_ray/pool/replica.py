@@ -1,0 +1,104 @@
+"""The replica actor: one target backend (vLLM by default) inside its own placement group."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from eagle_ray.pool.config import PoolConfig
+from eagle_ray.pool.transport import batch_to_numpy
+from eagle_ray.target_runner import RunnerEagle3TargetModel, SelfCheckError, validate_micro_batch
+
+logger = logging.getLogger(__name__)
+
+
+def build_backend(config: PoolConfig) -> RunnerEagle3TargetModel:
+    """The backend a replica owns, from the pool config."""
+    model_path = config.model_path
+    if model_path is None:
+        from eagle_ray.testing import tiny_target
+
+        model_path = str(tiny_target("llama"))
+    dtype = None if config.dtype == "auto" else config.dtype
+    if config.backend == "vllm":
+        from eagle_ray.vllm_target import VLLMEagle3TargetModel
+
+        vllm_kwargs = dict(config.vllm_kwargs)
+        if config.use_gpu and config.tp_size > 1:
+            vllm_kwargs.setdefault("distributed_executor_backend", "ray")
+        return VLLMEagle3TargetModel.from_pretrained(
+            model_path, config.aux_layer_ids, dtype, tp_size=config.tp_size,
+            vllm_kwargs=vllm_kwargs, encoding=config.encoding, **config.backend_kwargs)
+    if config.backend == "hf":
+        from eagle_ray.hf_target import HFEagle3TargetModel
+
+        return HFEagle3TargetModel.from_pretrained(
+            model_path, config.aux_layer_ids, dtype, device="cuda" if config.use_gpu else None,
+            encoding=config.encoding, **config.backend_kwargs)
+    module_name, _, attr = config.backend.partition(":")
+    factory = getattr(importlib.import_module(module_name), attr)
+    return factory(config)
+
+
+class TargetReplica:
+    """Ray actor owning one target backend; the router hands its handle to clients.
+
+    Errors are sorted by what they mean for the replica: bad input is returned to the caller and
+    the replica keeps serving; a self-check failure is returned (a configuration problem, not a
+    dead engine); anything else from the engine ends the process so Ray restarts the actor with
+    a fresh engine instead of leaving a replica that fails every call.
+    """
+
+    def __init__(self, config: PoolConfig, index: int) -> None:
+        logging.basicConfig(level=logging.INFO)
+        self.index = index
+        self.started = time.time()
+        self.backend = build_backend(config)
+        self.served_tokens = 0
+        self.served_micro_batches = 0
+        logger.info("replica %d ready on node %s", index,
+                    ray.get_runtime_context().get_node_id())
+
+    @ray.method(concurrency_group="health")
+    def ready(self) -> dict[str, Any]:
+        """Where this replica runs and what its target accepts (also the router's liveness
+        probe; its own concurrency group, so it answers while `generate` is busy)."""
+        context = ray.get_runtime_context()
+        return {
+            "index": self.index,
+            "node_id": context.get_node_id(),
+            "pid": os.getpid(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "vocab_size": self.backend.vocab_size,
+            "max_length": self.backend.max_length,
+            "aux_layer_ids": self.backend.aux_layer_ids,
+            "served_tokens": self.served_tokens,
+            "served_micro_batches": self.served_micro_batches,
+        }
+
+    @ray.method(concurrency_group="generate")
+    def generate(self, micro_batch_id: int, input_ids: np.ndarray, attention_mask: np.ndarray,
+                 loss_mask: np.ndarray) -> dict[str, tuple[np.ndarray, str]]:
+        """Supervision for one micro-batch, as numpy arrays for the object store."""
+        tensors = [torch.tensor(a) for a in (input_ids, attention_mask, loss_mask)]
+        validate_micro_batch(*tensors, vocab_size=self.backend.vocab_size,
+                             max_length=self.backend.max_length)
+        try:
+            batch = self.backend.generate_batch(*tensors)
+        except SelfCheckError:
+            raise
+        except Exception:
+            logger.exception("replica %d: engine failed on micro-batch %d; exiting so Ray "
+                             "restarts this replica with a fresh engine", self.index,
+                             micro_batch_id)
+            os._exit(1)
+        self.served_tokens += int(tensors[1].sum())
+        self.served_micro_batches += 1
+        return batch_to_numpy(batch)

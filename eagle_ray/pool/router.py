@@ -1,0 +1,268 @@
+"""The router actor: decides which replica serves each micro-batch; carries no tensor bytes.
+
+A client asks for a *lease* (`acquire`), calls the named replica itself, and reports back
+(`release`). Results therefore belong to the client, and a router restart loses none of them. The
+router balances by outstanding *tokens* (micro-batches differ in length), caps them per replica
+(backpressure), and keeps a registry of replicas that it can rebuild from their actor names after a
+restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+from ray.util import metrics
+
+logger = logging.getLogger(__name__)
+
+DISCOVERY_PERIOD_S = 0.5
+HEALTH_PERIOD_S = 2.0  # ready replicas are probed this often (restarts show as a new pid)
+
+
+class NoReplicaAvailable(RuntimeError):
+    """No replica could take a micro-batch in time; the message lists the replicas' states."""
+
+
+@dataclasses.dataclass
+class _Replica:
+    name: str
+    handle: ActorHandle
+    state: str = "starting"  # starting -> ready <-> suspect; draining when being removed
+    outstanding_tokens: int = 0
+    outstanding_micro_batches: int = 0
+    peak_outstanding_tokens: int = 0
+    served_tokens: int = 0
+    served_micro_batches: int = 0
+    errors: int = 0
+    restarts: int = 0
+    pid: int | None = None
+    node_id: str | None = None
+    first_served_at: float | None = None
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    probing: bool = False
+    named: bool = False  # seen among the named actors (a just-created one may not be yet)
+
+    def tokens_per_s(self) -> float:
+        if self.first_served_at is None:
+            return 0.0
+        return self.served_tokens / max(time.monotonic() - self.first_served_at, 1e-6)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "outstanding_tokens": self.outstanding_tokens,
+            "outstanding_micro_batches": self.outstanding_micro_batches,
+            "peak_outstanding_tokens": self.peak_outstanding_tokens,
+            "served_tokens": self.served_tokens,
+            "served_micro_batches": self.served_micro_batches,
+            "tokens_per_s": round(self.tokens_per_s(), 1),
+            "errors": self.errors,
+            "restarts": self.restarts,
+            "node_id": self.node_id,
+            "pid": self.pid,
+        }
+
+
+class PoolRouter:
+    """Async Ray actor; see the module docstring. Created by `TargetPool`, named
+    `<pool name>-router` in the pool's namespace."""
+
+    def __init__(self, replica_prefix: str, namespace: str,
+                 max_outstanding_tokens_per_replica: int) -> None:
+        self._prefix = replica_prefix
+        self._namespace = namespace
+        self._max_tokens = max_outstanding_tokens_per_replica
+        self._replicas: dict[str, _Replica] = {}  # name -> state
+        self._removed: set[str] = set()  # names dropped on purpose; discovery skips them
+        self._changed = asyncio.Condition()  # notified whenever capacity or membership changes
+        self._leases = 0
+        self._last_health = 0.0  # monotonic time of the last probe of ready replicas
+        self._outstanding_gauge = metrics.Gauge(
+            "eagle_ray_replica_outstanding_tokens", "tokens leased and not yet released",
+            tag_keys=("replica",))
+        self._served_counter = metrics.Counter(
+            "eagle_ray_replica_served_tokens", "supervision tokens served", tag_keys=("replica",))
+        self._discovery = asyncio.get_event_loop().create_task(self._discover_forever())
+
+    # ------------------------------------------------------------------ membership
+
+    async def add_replica(self, name: str, handle: ActorHandle | None = None) -> None:
+        """Called by `TargetPool` right after it creates a replica actor (and by discovery)."""
+        self._removed.discard(name)
+        if name not in self._replicas:
+            handle = handle or ray.get_actor(name, namespace=self._namespace)
+            self._replicas[name] = _Replica(name, handle)
+            self._probe_soon(self._replicas[name])
+
+    async def remove_replica(self, name: str, drain: bool = True,
+                             timeout_s: float = 600.0) -> bool:
+        """Stop assigning to `name`; with `drain`, wait until its leases are released.
+
+        Returns whether it drained fully. The caller kills the actor afterwards.
+        """
+        self._removed.add(name)
+        replica = self._replicas.get(name)
+        if replica is None:
+            return True
+        replica.state = "draining"
+        drained = True
+        if drain:
+            deadline = time.monotonic() + timeout_s
+            async with self._changed:
+                while replica.outstanding_micro_batches > 0:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        drained = False
+                        break
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), remaining)
+                    except TimeoutError:
+                        drained = False
+                        break
+        self._replicas.pop(name, None)
+        return drained
+
+    async def _discover_forever(self) -> None:
+        """Adopt replicas by name (after a router restart) and probe the ones not ready."""
+        while True:
+            try:
+                actors = await asyncio.to_thread(ray.util.list_named_actors, True)
+                alive = {a["name"] for a in actors if a["namespace"] == self._namespace
+                         and a["name"].startswith(self._prefix)}
+                for name in sorted(alive - set(self._replicas) - self._removed):
+                    await self.add_replica(name)
+                for name, replica in list(self._replicas.items()):
+                    if name in alive:
+                        replica.named = True
+                    elif replica.named and replica.state != "draining":
+                        logger.warning("replica %s is gone; dropping it", name)
+                        self._replicas.pop(name)
+                health_round = time.monotonic() - self._last_health >= HEALTH_PERIOD_S
+                for replica in self._replicas.values():
+                    if replica.state in ("starting", "suspect") or health_round:
+                        self._probe_soon(replica)
+                if health_round:
+                    self._last_health = time.monotonic()
+            except Exception:  # keep discovering whatever one round hit
+                logger.exception("replica discovery failed")
+            await asyncio.sleep(DISCOVERY_PERIOD_S)
+
+    def _probe_soon(self, replica: _Replica) -> None:
+        if not replica.probing:
+            replica.probing = True
+            asyncio.get_event_loop().create_task(self._probe(replica))
+
+    async def _probe(self, replica: _Replica) -> None:
+        """Wait for a replica's `ready()`; a new pid means the actor was restarted."""
+        try:
+            info = await replica.handle.ready.remote()
+        except Exception as e:  # dead or restarting: probe again next round
+            logger.info("replica %s not ready: %s", replica.name, type(e).__name__)
+            if replica.state == "ready":
+                replica.state = "suspect"
+            return
+        finally:
+            replica.probing = False
+        if replica.pid is not None and info["pid"] != replica.pid:
+            replica.restarts += 1
+        replica.pid, replica.node_id, replica.info = info["pid"], info["node_id"], info
+        if replica.state in ("starting", "suspect"):
+            replica.state = "ready"
+            logger.info("replica %s ready (pid %s, node %s)", replica.name, replica.pid,
+                        replica.node_id)
+            async with self._changed:
+                self._changed.notify_all()
+
+    # ------------------------------------------------------------------ leases
+
+    async def acquire(self, micro_batch_id: int, num_tokens: int, avoid: list[str],
+                      timeout_s: float) -> tuple[str, ActorHandle]:
+        """Lease a replica for one micro-batch: the ready replica with the fewest outstanding
+        tokens that has room, preferring replicas not in `avoid` (where it already failed).
+        Waits for capacity (backpressure) up to `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        async with self._changed:
+            while True:
+                replica = self._pick(num_tokens, set(avoid))
+                if replica is not None:
+                    replica.outstanding_tokens += num_tokens
+                    replica.outstanding_micro_batches += 1
+                    replica.peak_outstanding_tokens = max(replica.peak_outstanding_tokens,
+                                                          replica.outstanding_tokens)
+                    self._leases += 1
+                    self._outstanding_gauge.set(replica.outstanding_tokens,
+                                                tags={"replica": replica.name})
+                    return replica.name, replica.handle
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise NoReplicaAvailable(
+                        f"no replica accepted micro-batch {micro_batch_id} ({num_tokens} tokens) "
+                        f"within {timeout_s:.0f}s; replicas: "
+                        f"{ {n: r.state for n, r in self._replicas.items()} or 'none'}"
+                        f"{'; already failed on ' + str(sorted(avoid)) if avoid else ''}"
+                    )
+                try:
+                    await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
+                except TimeoutError:
+                    pass
+
+    def _pick(self, num_tokens: int, avoid: set[str]) -> _Replica | None:
+        ready = [r for r in self._replicas.values() if r.state == "ready"]
+        preferred = [r for r in ready if r.name not in avoid] or ready
+        # An idle replica takes any micro-batch, even one larger than the cap.
+        fits = [r for r in preferred if r.outstanding_tokens == 0
+                or r.outstanding_tokens + num_tokens <= self._max_tokens]
+        return min(fits, key=lambda r: (r.outstanding_tokens, r.name), default=None)
+
+    async def release(self, name: str, num_tokens: int, ok: bool,
+                      replica_died: bool = False) -> None:
+        """Called by the client when a leased micro-batch finished, failed or timed out."""
+        replica = self._replicas.get(name)
+        if replica is not None:
+            replica.outstanding_tokens = max(0, replica.outstanding_tokens - num_tokens)
+            replica.outstanding_micro_batches = max(0, replica.outstanding_micro_batches - 1)
+            self._outstanding_gauge.set(replica.outstanding_tokens, tags={"replica": name})
+            if ok:
+                replica.served_tokens += num_tokens
+                replica.served_micro_batches += 1
+                replica.first_served_at = replica.first_served_at or time.monotonic()
+                self._served_counter.inc(num_tokens, tags={"replica": name})
+            else:
+                replica.errors += 1
+                if replica_died and replica.state == "ready":
+                    replica.state = "suspect"
+                    self._probe_soon(replica)
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------------ status
+
+    async def status(self) -> dict[str, Any]:
+        """Per replica: state, outstanding tokens, tokens/s, errors, restarts; plus totals."""
+        return {
+            "replicas": {name: r.summary() for name, r in sorted(self._replicas.items())},
+            "ready_replicas": sum(r.state == "ready" for r in self._replicas.values()),
+            "leases": self._leases,
+        }
+
+    async def target_info(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """What a client validates against (vocabulary, max length), from a ready replica."""
+        deadline = time.monotonic() + timeout_s
+        async with self._changed:
+            while True:
+                for replica in self._replicas.values():
+                    if replica.state == "ready" and replica.info:
+                        return replica.info
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise NoReplicaAvailable(f"no replica became ready within {timeout_s:.0f}s")
+                try:
+                    await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
+                except TimeoutError:
+                    pass

@@ -1,0 +1,52 @@
+"""Helpers shared by the pool tests: a synthetic-backend pool and a training-actor stand-in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ray
+import torch
+
+from eagle_ray.pool import ClientConfig, PoolClient, PoolConfig, TargetPool
+from eagle_ray.testing import random_micro_batch, synthetic_aux_states
+
+SYNTHETIC = "eagle_ray.testing:fixed_latency_target"
+# Ray workers import this module (TrainerStandIn lives here): put tests/ on their path.
+TESTS_ON_WORKER_PATH = {"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}}
+HIDDEN = 8
+VOCAB = 1024
+
+
+def synthetic_pool(name: str, replicas: int = 2, wait: bool = True, backend_kwargs=None,
+                   **config) -> TargetPool:
+    return TargetPool.create(PoolConfig(
+        backend=SYNTHETIC, name=name, namespace="eagle_ray_test", replicas=replicas,
+        cpus_per_bundle=0.25, backend_kwargs={"hidden_size": HIDDEN, "vocab_size": VOCAB,
+                                              **(backend_kwargs or {})}, **config), wait=wait)
+
+
+def micro_batches(count: int, seed: int):
+    """Deterministic micro-batches; ids start at 1 so token 0 can trigger failures on purpose."""
+    return [random_micro_batch(VOCAB, (12, 5, 9), seed=seed * 10_000 + i) for i in range(count)]
+
+
+def is_correct(inputs, batch) -> bool:
+    """Does `batch` carry the synthetic supervision of exactly these inputs?"""
+    ids, attention, _ = inputs
+    expected = synthetic_aux_states(ids, HIDDEN) * attention.unsqueeze(-1)
+    return bool(torch.equal(batch.aux_hidden_states, expected))
+
+
+@ray.remote(num_cpus=0)
+class TrainerStandIn:
+    """A draft-training actor's use of the pool: stream micro-batches, check each result."""
+
+    def __init__(self, pool_name: str, **client_config) -> None:
+        self.client = PoolClient.connect(pool_name, "eagle_ray_test",
+                                         ClientConfig(**client_config))
+
+    def run(self, count: int, seed: int) -> dict:
+        inputs = micro_batches(count, seed)
+        correct = [is_correct(x, b) for x, b in zip(inputs, self.client.stream(inputs),
+                                                    strict=True)]
+        return {"correct": correct, "stats": self.client.stats}
