@@ -1,13 +1,20 @@
-"""`eagle-ray` command line: `demo`, `bench ...`."""
+"""`eagle-ray` command line: `demo`, `serve`, `status`, `shutdown`, `bench ...`.
+
+Results go to stdout (benchmarks: JSON lines); logs go to stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 
 logger = logging.getLogger("eagle_ray")
+
+BENCHMARKS = ["encodings", "backends", "handoff", "engine-start", "pool", "router", "scaling",
+              "transport"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -37,32 +44,81 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _connect(address: str) -> None:
+    import ray
+
+    ray.init(address=address, log_to_driver=False)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Start a detached, shared pool on a running cluster and wait until it is ready."""
+    from eagle_ray.config import apply_overrides, from_dict, load_yaml
+    from eagle_ray.pool import PoolConfig, TargetPool
+
+    if args.config:
+        config = load_yaml(PoolConfig, args.config, args.overrides)
+    else:
+        config = from_dict(PoolConfig, apply_overrides({}, args.overrides))
+    config.detached = True
+    _connect(args.address)
+    pool = TargetPool.create(config)
+    print(json.dumps(pool.status(), indent=2))
+    logger.info("pool %r is serving in namespace %r; `eagle-ray status --name %s` shows it, "
+                "`eagle-ray shutdown --name %s` removes it", config.name, config.namespace,
+                config.name, config.name)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from eagle_ray.pool import TargetPool
+
+    _connect(args.address)
+    print(json.dumps(TargetPool.connect(args.name, args.namespace).status(), indent=2))
+    return 0
+
+
+def _shutdown(args: argparse.Namespace) -> int:
+    from eagle_ray.pool import TargetPool
+
+    _connect(args.address)
+    TargetPool.connect(args.name, args.namespace).shutdown()
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from eagle_ray.bench import backends, encodings, handoff
-    from eagle_ray.hf_target import HFEagle3TargetModel
-    from eagle_ray.supervision import DraftVocab
+    from eagle_ray.bench import backends, encodings, handoff, pool
     from eagle_ray.testing import tiny_target
-    from eagle_ray.vllm_target import VLLMEagle3TargetModel
 
-    if args.which == "encodings":
+    which = args.which
+    if which == "encodings":
         encodings.run()
-        return 0
-    if args.which == "handoff":
+    elif which == "handoff":
         handoff.run()
-        return 0
-    model_path = tiny_target(args.arch)
-    if args.which == "engine-start":
-        backends.run_engine_start(str(model_path))
-        return 0
-    hf = HFEagle3TargetModel.from_pretrained(model_path, dtype=torch.float32)
-    half_vocab = DraftVocab.from_token_counts(torch.ones(hf.vocab_size), hf.vocab_size // 2)
-    hf = HFEagle3TargetModel(hf.model, hf.aux_layer_ids, draft_vocab=half_vocab)
-    backends.run_measured_bytes(hf)
-    vllm = VLLMEagle3TargetModel.from_pretrained(model_path, dtype="float32")
-    backends.run_backends({"hf": hf, "vllm": vllm}, baseline="hf")
-    vllm.shutdown()
+    elif which == "engine-start":
+        backends.run_engine_start(str(tiny_target(args.arch)))
+    elif which == "backends":
+        from eagle_ray.hf_target import HFEagle3TargetModel
+        from eagle_ray.supervision import DraftVocab
+        from eagle_ray.vllm_target import VLLMEagle3TargetModel
+
+        model_path = tiny_target(args.arch)
+        hf = HFEagle3TargetModel.from_pretrained(model_path, dtype=torch.float32)
+        half_vocab = DraftVocab.from_token_counts(torch.ones(hf.vocab_size), hf.vocab_size // 2)
+        hf = HFEagle3TargetModel(hf.model, hf.aux_layer_ids, draft_vocab=half_vocab)
+        backends.run_measured_bytes(hf)
+        vllm = VLLMEagle3TargetModel.from_pretrained(model_path, dtype="float32")
+        backends.run_backends({"hf": hf, "vllm": vllm}, baseline="hf")
+        vllm.shutdown()
+    elif which == "pool":
+        pool.run_overhead(str(tiny_target(args.arch)), [(8, 128), (16, 256), (8, 480)])
+    elif which == "router":
+        pool.run_router()
+    elif which == "scaling":
+        pool.run_scaling()
+    elif which == "transport":
+        pool.run_transport()
     return 0
 
 
@@ -78,8 +134,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=int, default=4, help="chat samples in the micro-batch")
     demo.set_defaults(func=_demo)
 
+    def add_pool_target(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+        p.add_argument("--name", default="eagle_ray_pool", help="pool name")
+        p.add_argument("--namespace", default="eagle_ray", help="Ray namespace of the pool")
+
+    serve = sub.add_parser("serve", help="start a detached, shared pool on a running cluster")
+    serve.add_argument("--config", help="pool config YAML (keys: see README)")
+    serve.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    serve.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="config overrides, e.g. replicas=2 vllm_kwargs.max_model_len=4096")
+    serve.set_defaults(func=_serve)
+
+    status = sub.add_parser("status", help="print a running pool's status (JSON)")
+    add_pool_target(status)
+    status.set_defaults(func=_status)
+
+    shutdown = sub.add_parser("shutdown", help="remove a running pool")
+    add_pool_target(shutdown)
+    shutdown.set_defaults(func=_shutdown)
+
     bench = sub.add_parser("bench", help="benchmarks; print JSON lines")
-    bench.add_argument("which", choices=["backends", "encodings", "handoff", "engine-start"])
+    bench.add_argument("which", choices=BENCHMARKS)
     bench.add_argument("--arch", default="llama", choices=["llama", "qwen3"])
     bench.set_defaults(func=_bench)
     return parser

@@ -19,10 +19,11 @@ VOCAB = 1024
 
 def synthetic_pool(name: str, replicas: int = 2, wait: bool = True, backend_kwargs=None,
                    **config) -> TargetPool:
+    config.setdefault("cpus_per_bundle", 0.25)
     return TargetPool.create(PoolConfig(
         backend=SYNTHETIC, name=name, namespace="eagle_ray_test", replicas=replicas,
-        cpus_per_bundle=0.25, backend_kwargs={"hidden_size": HIDDEN, "vocab_size": VOCAB,
-                                              **(backend_kwargs or {})}, **config), wait=wait)
+        backend_kwargs={"hidden_size": HIDDEN, "vocab_size": VOCAB, **(backend_kwargs or {})},
+        **config), wait=wait)
 
 
 def micro_batches(count: int, seed: int):

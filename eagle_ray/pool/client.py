@@ -47,7 +47,7 @@ class _InFlight:
     """One submitted micro-batch and where it stands."""
 
     micro_batch_id: int
-    inputs: list[ray.ObjectRef]  # input_ids, attention_mask, loss_mask (put once, reused)
+    inputs: ray.ObjectRef  # (input_ids, attention_mask, loss_mask) numpy, put once, reused
     num_tokens: int
     lease_ref: ray.ObjectRef | None = None
     result_ref: ray.ObjectRef | None = None
@@ -107,7 +107,8 @@ class PoolClient:
         num_tokens = int(attention_mask.sum())
         self._wait_for_room(num_tokens)
         micro_batch_id = next(self._ids)
-        inputs = [ray.put(t.detach().cpu().numpy()) for t in (input_ids, attention_mask, loss_mask)]
+        inputs = ray.put(tuple(t.detach().cpu().numpy()
+                               for t in (input_ids, attention_mask, loss_mask)))
         item = _InFlight(micro_batch_id, inputs, num_tokens)
         self._inflight[micro_batch_id] = item
         self._lease(item)
@@ -233,7 +234,7 @@ class PoolClient:
         item.replica = replica
         item.attempts += 1
         item.deadline = time.monotonic() + self.config.timeout_s
-        item.result_ref = handle.generate.remote(item.micro_batch_id, *item.inputs)
+        item.result_ref = handle.generate.remote(item.micro_batch_id, item.inputs)
 
     def _on_result(self, item: _InFlight) -> None:
         try:

@@ -84,10 +84,11 @@ class TargetReplica:
         }
 
     @ray.method(concurrency_group="generate")
-    def generate(self, micro_batch_id: int, input_ids: np.ndarray, attention_mask: np.ndarray,
-                 loss_mask: np.ndarray) -> dict[str, tuple[np.ndarray, str]]:
-        """Supervision for one micro-batch, as numpy arrays for the object store."""
-        tensors = [torch.tensor(a) for a in (input_ids, attention_mask, loss_mask)]
+    def generate(self, micro_batch_id: int, inputs: tuple[np.ndarray, np.ndarray, np.ndarray],
+                 ) -> dict[str, tuple[np.ndarray, str]]:
+        """Supervision for one micro-batch `(input_ids, attention_mask, loss_mask)`, as numpy
+        arrays for the object store."""
+        tensors = [torch.tensor(a) for a in inputs]
         validate_micro_batch(*tensors, vocab_size=self.backend.vocab_size,
                              max_length=self.backend.max_length)
         try:

@@ -1,0 +1,163 @@
+"""Pool benchmarks: overhead vs an in-process backend, router rate and latency, scaling, transport.
+
+Each runs on a local Ray instance it starts itself and prints JSON lines with ratios measured
+side by side in the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import numpy as np
+import ray
+import torch
+
+from eagle_ray.bench import best_seconds, emit
+from eagle_ray.pool import ClientConfig, PoolConfig, TargetPool
+from eagle_ray.pool.transport import batch_from_numpy, batch_to_numpy
+from eagle_ray.target_runner import Eagle3TargetBatch
+from eagle_ray.testing import random_micro_batch
+
+SYNTHETIC = "eagle_ray.testing:fixed_latency_target"
+
+
+def _start_ray() -> None:
+    if not ray.is_initialized():
+        ray.init(num_cpus=16, object_store_memory=1 * 2**30, include_dashboard=False,
+                 namespace="eagle_ray_bench", log_to_driver=False)
+
+
+def _stream_rate(pool: TargetPool, batches: list, window: int) -> float:
+    """Supervision tokens/s of one client streaming `batches` through `pool`."""
+    client = pool.client(ClientConfig(max_inflight_micro_batches=window,
+                                      max_inflight_tokens=1 << 30))
+    list(client.stream(batches[:2]))  # warm-up
+    start = time.perf_counter()
+    for _ in client.stream(batches):
+        pass
+    tokens = sum(int(b[1].sum()) for b in batches)
+    return tokens / (time.perf_counter() - start)
+
+
+def run_overhead(model_path: str, shapes: list[tuple[int, int]], rounds: int = 3) -> None:
+    """Pool with one vLLM replica vs the same backend in this process, same micro-batches."""
+    from eagle_ray.vllm_target import VLLMEagle3TargetModel
+
+    _start_ray()
+    # The replica gets this machine's cores, as the in-process engine does (Ray sets the
+    # actor's OMP_NUM_THREADS from its CPUs).
+    pool = TargetPool.create(PoolConfig(model_path=model_path, dtype="float32",
+                                        cpus_per_bundle=float(os.cpu_count() or 1),
+                                        name="bench-overhead", namespace="eagle_ray_bench"))
+    direct = VLLMEagle3TargetModel.from_pretrained(model_path, dtype="float32")
+    replica = ray.get_actor(pool.config.replica_name(0), namespace=pool.config.namespace)
+    try:
+        for batch, seq in shapes:
+            batches = [random_micro_batch(direct.vocab_size, (seq,) * batch, seed=i)
+                       for i in range(12)]
+            tokens = batch * seq * len(batches)
+            inputs = [ray.put(tuple(t.numpy() for t in b)) for b in batches]
+            rates: dict[str, list[float]] = {"in_process": [], "pool_1_replica": [],
+                                             "replica_calls_only": []}
+            for _ in range(rounds):  # interleaved, so drift hits all paths alike
+                rates["pool_1_replica"].append(_stream_rate(pool, batches, window=4))
+                start = time.perf_counter()
+                for b in batches:
+                    direct.generate_batch(*b)
+                rates["in_process"].append(tokens / (time.perf_counter() - start))
+                # The replica called back to back without client or router: separates the
+                # pool's own overhead from the engine running inside a Ray worker.
+                start = time.perf_counter()
+                ray.get([replica.generate.remote(i, x) for i, x in enumerate(inputs)])
+                rates["replica_calls_only"].append(tokens / (time.perf_counter() - start))
+            best = {path: max(values) for path, values in rates.items()}
+            for path, rate in best.items():
+                emit("pool", "supervision_tokens_per_s", round(rate, 1), "tok/s", path=path,
+                     batch=batch, seq=seq, baseline="in_process",
+                     ratio=round(rate / best["in_process"], 3))
+    finally:
+        direct.shutdown()
+        pool.shutdown()
+
+
+def run_router(num_micro_batches: int = 400) -> None:
+    """Micro-batches/s through a zero-cost replica, and the router's lease latency."""
+    _start_ray()
+    pool = TargetPool.create(PoolConfig(backend=SYNTHETIC, name="bench-router", replicas=2,
+                                        cpus_per_bundle=0.5, namespace="eagle_ray_bench",
+                                        max_outstanding_tokens_per_replica=1 << 30))
+    try:
+        batches = [random_micro_batch(1024, (16,), seed=i) for i in range(num_micro_batches)]
+        client = pool.client(ClientConfig(max_inflight_micro_batches=32))
+        list(client.stream(batches[:20]))
+        start = time.perf_counter()
+        for _ in client.stream(batches):
+            pass
+        rate = num_micro_batches / (time.perf_counter() - start)
+        emit("router", "micro_batches_per_s", round(rate, 1), "1/s", replicas=2,
+             backend="zero-cost")
+        latencies = []
+        for i in range(300):
+            t0 = time.perf_counter()
+            name, _ = ray.get(pool.router.acquire.remote(i, 16, [], 10.0))
+            latencies.append(time.perf_counter() - t0)
+            ray.get(pool.router.release.remote(name, 16, True))
+        latencies.sort()
+        emit("router", "lease_latency_median", round(statistics.median(latencies) * 1e3, 3),
+             "ms")
+        emit("router", "lease_latency_p99", round(latencies[int(0.99 * len(latencies))] * 1e3, 3),
+             "ms")
+    finally:
+        pool.shutdown()
+
+
+def run_scaling(replica_counts: tuple[int, ...] = (1, 2, 4, 8),
+                seconds_per_call: float = 0.05) -> None:
+    """Throughput with N fixed-latency replicas vs N x the single-replica throughput."""
+    _start_ray()
+    rates = {}
+    for n in replica_counts:
+        pool = TargetPool.create(PoolConfig(
+            backend=SYNTHETIC, name=f"bench-scale-{n}", replicas=n, cpus_per_bundle=0.1,
+            namespace="eagle_ray_bench", backend_kwargs={"seconds_per_call": seconds_per_call}))
+        try:
+            batches = [random_micro_batch(1024, (64,) * 4, seed=i) for i in range(20 * n)]
+            rates[n] = _stream_rate(pool, batches, window=2 * n + 2)
+        finally:
+            pool.shutdown()
+        ideal = rates[replica_counts[0]] * n / replica_counts[0]
+        emit("scaling", "supervision_tokens_per_s", round(rates[n], 1), "tok/s", replicas=n,
+             seconds_per_call=seconds_per_call, baseline="linear", ratio=round(rates[n] / ideal, 3))
+
+
+@ray.remote(num_cpus=0)
+class _TransportSource:
+    """Holds one supervision batch and returns it the way a replica does."""
+
+    def __init__(self, tokens: int, hidden: int) -> None:
+        aux = torch.randn(1, tokens, 3 * hidden).to(torch.bfloat16)
+        ids = torch.ones(1, tokens, dtype=torch.long)
+        self.batch = Eagle3TargetBatch(aux, ids, ids, ids,
+                                       last_hidden=torch.randn(1, tokens, hidden).bfloat16())
+
+    def fetch(self) -> dict:
+        return batch_to_numpy(self.batch)
+
+
+def run_transport(tokens: int = 8192, hidden: int = 4096, repeats: int = 5) -> None:
+    """Bytes/s from a replica-like actor to this process vs a memcpy of the same bytes."""
+    _start_ray()
+    source = _TransportSource.remote(tokens, hidden)
+    local = ray.get(source.fetch.remote())
+    nbytes = sum(a.nbytes for a, _ in local.values())
+    arrays = [a for a, _ in local.values()]
+    del local
+    copy_s = best_seconds(lambda: [np.array(a, copy=True) for a in arrays], repeats)
+    fetch_s = best_seconds(lambda: batch_from_numpy(ray.get(source.fetch.remote())), repeats)
+    emit("transport", "bytes_per_s", round(nbytes / fetch_s), "B/s", path="object_store",
+         mb=round(nbytes / 2**20, 1), baseline="memcpy", ratio=round(copy_s / fetch_s, 3))
+    emit("transport", "bytes_per_s", round(nbytes / copy_s), "B/s", path="memcpy",
+         mb=round(nbytes / 2**20, 1), baseline="memcpy", ratio=1.0)
+    ray.kill(source)
