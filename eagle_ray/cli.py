@@ -44,10 +44,11 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _connect(address: str) -> None:
+def _connect(address: str, namespace: str) -> None:
     import ray
 
-    ray.init(address=address, log_to_driver=False)
+    # The pool's placement groups are named in its namespace: join it to find them.
+    ray.init(address=address, namespace=namespace, log_to_driver=False)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -60,7 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         config = from_dict(PoolConfig, apply_overrides({}, args.overrides))
     config.detached = True
-    _connect(args.address)
+    _connect(args.address, config.namespace)
     pool = TargetPool.create(config)
     print(json.dumps(pool.status(), indent=2))
     logger.info("pool %r is serving in namespace %r; `eagle-ray status --name %s` shows it, "
@@ -72,7 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from eagle_ray.pool import TargetPool
 
-    _connect(args.address)
+    _connect(args.address, args.namespace)
     print(json.dumps(TargetPool.connect(args.name, args.namespace).status(), indent=2))
     return 0
 
@@ -80,7 +81,7 @@ def _status(args: argparse.Namespace) -> int:
 def _shutdown(args: argparse.Namespace) -> int:
     from eagle_ray.pool import TargetPool
 
-    _connect(args.address)
+    _connect(args.address, args.namespace)
     TargetPool.connect(args.name, args.namespace).shutdown()
     return 0
 
@@ -167,7 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    return args.func(args)
+    from eagle_ray.config import ConfigError
+
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        logger.error("%s", e)
+        return 2
 
 
 if __name__ == "__main__":

@@ -69,7 +69,11 @@ class TargetPool:
     @classmethod
     def connect(cls, name: str = "eagle_ray_pool", namespace: str = "eagle_ray") -> TargetPool:
         """Attach to a running (e.g. detached) pool by name."""
-        router = ray.get_actor(f"{name}-router", namespace=namespace)
+        try:
+            router = ray.get_actor(f"{name}-router", namespace=namespace)
+        except ValueError:
+            raise ValueError(f"no eagle_ray pool named {name!r} in namespace {namespace!r} on "
+                             f"this cluster; start one with `eagle-ray serve`") from None
         pool = cls(PoolConfig(name=name, namespace=namespace), router)
         pool._next_index = 1 + max(pool._replica_indices(), default=-1)
         return pool
