@@ -9,7 +9,7 @@ setup:
 	@EAGLE_RAY_VENV=$(VENV) ./scripts/setup_env.sh
 
 run: setup
-	$(VENV)/bin/eagle-ray demo
+	$(VENV)/bin/eagle-ray train --config examples/tiny.yaml
 
 test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

@@ -1,4 +1,4 @@
-"""`eagle-ray` command line: `demo`, `serve`, `status`, `shutdown`, `bench ...`.
+"""`eagle-ray` command line: `train`, `eval`, `demo`, `serve`, `status`, `shutdown`, `bench`.
 
 Results go to stdout (benchmarks: JSON lines); logs go to stderr.
 """
@@ -41,6 +41,38 @@ def _demo(args: argparse.Namespace) -> int:
     supervised = int(batch.loss_mask.sum())
     logger.info("%d tokens (%d supervised), %d bytes per token in the %s encoding", tokens,
                 supervised, batch.nbytes // input_ids.numel(), batch.encoding)
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    """Train (and evaluate) an EAGLE-3 draft fed by the target pool."""
+    from eagle_ray.config import load_yaml
+    from eagle_ray.train import JobConfig, run_job
+
+    summary = run_job(load_yaml(JobConfig, args.config, args.overrides))
+    print(json.dumps({"eval": summary.get("eval"), "draft_dir": summary["draft_dir"],
+                      "final_metrics": summary["final_metrics"]}, default=str))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """Acceptance of an exported draft (simulated and vLLM-measured) on held-out prompts."""
+    from transformers import AutoTokenizer
+
+    from eagle_ray.config import load_yaml
+    from eagle_ray.data import read_jsonl
+    from eagle_ray.evaluate import evaluate_draft
+    from eagle_ray.testing import generate_chat_samples, tiny_target
+    from eagle_ray.train import JobConfig
+
+    job = load_yaml(JobConfig, args.config, args.overrides)
+    model_path = job.target.model_path or str(tiny_target("llama"))
+    samples = (list(read_jsonl(job.data.path)) if job.data.path
+               else generate_chat_samples(job.data.num_samples))
+    report = evaluate_draft(model_path, args.draft, samples[-job.data.eval_samples:],
+                            AutoTokenizer.from_pretrained(model_path), job.eval,
+                            job.target.aux_layer_ids)
+    print(json.dumps(report))
     return 0
 
 
@@ -140,6 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--name", default="eagle_ray_pool", help="pool name")
         p.add_argument("--namespace", default="eagle_ray", help="Ray namespace of the pool")
 
+    train = sub.add_parser("train", help="train an EAGLE-3 draft on Ray Train fed by the pool")
+    train.add_argument("--config", required=True, help="job config YAML (keys: see README)")
+    train.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="config overrides, e.g. train.steps=50 target.replicas=2")
+    train.set_defaults(func=_train)
+
+    evaluate = sub.add_parser("eval", help="acceptance length of an exported draft")
+    evaluate.add_argument("--config", required=True, help="the job config the draft came from")
+    evaluate.add_argument("--draft", required=True, help="exported draft folder")
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value")
+    evaluate.set_defaults(func=_eval)
+
     serve = sub.add_parser("serve", help="start a detached, shared pool on a running cluster")
     serve.add_argument("--config", help="pool config YAML (keys: see README)")
     serve.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
@@ -173,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        logger.error("%s", e)
+        logger.error("%s", e, exc_info=args.verbose)
         return 2
 
 

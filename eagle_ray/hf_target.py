@@ -40,7 +40,8 @@ class HFTargetRunner(TargetRunner):
         self.decoder = model.get_decoder()
         self.aux_layer_ids = list(aux_layer_ids)
 
-    @torch.inference_mode()
+    # no_grad, not inference_mode: a co-located trainer may feed the results to autograd.
+    @torch.no_grad()
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RunnerOutput:
         captured: dict[int | str, torch.Tensor] = {}
         layers = self.decoder.layers

@@ -89,6 +89,7 @@ class DraftVocab:
                    int(data["target_vocab_size"]))
 
 
+@torch.no_grad()  # targets, never trained through
 def draft_target_from_logits(
     logits: torch.Tensor, vocab: DraftVocab
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +102,7 @@ def draft_target_from_logits(
     return torch.softmax(selected, dim=-1), position_mask
 
 
+@torch.no_grad()
 def draft_target_from_hidden(
     last_hidden: torch.Tensor, head: TargetHead, vocab: DraftVocab
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -378,7 +378,8 @@ class RunnerEagle3TargetModel:
         """The target's own final norm + `lm_head`, to decode the `last_hidden` encoding."""
         return self._head
 
-    @torch.inference_mode()
+    # no_grad, not inference_mode: a co-located trainer may feed the results to autograd.
+    @torch.no_grad()
     def generate_batch(
         self,
         input_ids: torch.Tensor,

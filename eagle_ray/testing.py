@@ -24,7 +24,7 @@ from eagle_ray.target_runner import RunnerEagle3TargetModel, RunnerOutput, Targe
 
 logger = logging.getLogger(__name__)
 
-KIT_VERSION = 1  # bump when anything below changes what gets built
+KIT_VERSION = 2  # bump when anything below changes what gets built
 ARCHITECTURES = ("llama", "qwen3")
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>",
                   "<|end|>"]
@@ -38,6 +38,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+LM_HEAD_STD = 0.3
 
 _COUNTRIES = {
     "France": "Paris", "Japan": "Tokyo", "Peru": "Lima", "Kenya": "Nairobi", "Canada": "Ottawa",
@@ -150,6 +152,9 @@ def build_tiny_target(path: str | Path, arch: str = "llama", num_layers: int = 8
     config = tiny_target_config(arch, len(tokenizer), num_layers)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # A wide head makes the random target's next-token distributions peaked, as a trained LM's
+    # are (logit std ~3.4 instead of ~0.9), so drafts have something sharp to learn.
+    model.get_output_embeddings().weight.data.normal_(0.0, LM_HEAD_STD)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -55,6 +55,29 @@ def cpu_thread_binding(tp_size: int) -> str:
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
+def build_llm(engine_kwargs: dict[str, Any], multiprocess: bool,
+              env: dict[str, str] | None = None):
+    """`vllm.LLM(**engine_kwargs)` with its engine core in this process or its own, and `env`
+    set while it starts (restored afterwards)."""
+    import vllm.envs
+    from vllm import LLM
+
+    # An in-process engine freezes vLLM's environment variables for the whole process
+    # (vllm.envs cache); thaw them so this engine sees the settings below.
+    vllm.envs.disable_envs_cache()
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", **(env or {})}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return LLM(**engine_kwargs)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class VLLMTargetRunner(TargetRunner):
     """Owns one vLLM engine that captures hidden states; see the module docstring.
 
@@ -139,8 +162,6 @@ class VLLMTargetRunner(TargetRunner):
                                            self.handoff_dir, self._key_prefix)
 
     def _build_engine(self, engine_kwargs: dict[str, Any], tp_size: int):
-        from vllm import LLM
-
         if not self.multiprocess:
             if len(_live_inprocess_engines):
                 raise RuntimeError(
@@ -149,28 +170,13 @@ class VLLMTargetRunner(TargetRunner):
                     "one with multiprocess=True"
                 )
             _live_inprocess_engines.add(self)
-
-        # An in-process engine freezes vLLM's environment variables for the whole process
-        # (vllm.envs cache); thaw them so this engine sees the settings below.
-        import vllm.envs
-
-        vllm.envs.disable_envs_cache()
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.multiprocess else "0"}
+        env = {}
         # vLLM's "auto" binding wants one NUMA node per TP rank; split this node's cores instead.
         if self.is_cpu and tp_size > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
                                                           "auto") == "auto":
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp_size)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
         started = time.perf_counter()
-        try:
-            llm = LLM(**engine_kwargs)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        llm = build_llm(engine_kwargs, self.multiprocess, env)
         self.start_seconds = time.perf_counter() - started
         logger.info("vLLM engine up in %.1fs (capture ids %s, tp=%d, %s engine core, %s hand-off)",
                     self.start_seconds, self.capture_ids, tp_size,

@@ -1,0 +1,142 @@
+"""Export a trained draft as the HF folder vLLM's EAGLE-3 loader reads, and check it.
+
+vLLM validates almost none of this and fails silently (low acceptance) on a wrong layer id, a
+missing `d2t` or a wrong `fc` width, so the export checks its own output before anyone serves it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle_ray.draft.model import DraftConfig, Eagle3Draft
+from eagle_ray.supervision import DraftVocab
+from eagle_ray.target_runner import vllm_capture_layer_ids
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def export_draft(draft: Eagle3Draft, vocab: DraftVocab, aux_layer_ids: Sequence[int],
+                 target_num_layers: int, out_dir: str | Path) -> Path:
+    """Write `config.json` + `model.safetensors` (+ `t2d`, `d2t`) and validate them."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    c = draft.config
+    # The same canonical ids the target pool captured, in vLLM's pre-layer convention (without
+    # the final-state id N, which only the capture needs).
+    serving_ids = vllm_capture_layer_ids(aux_layer_ids, target_num_layers)[:-1]
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "target_hidden_size": c.target_hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "max_position_embeddings": c.max_position_embeddings,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": str(draft.fc.weight.dtype).removeprefix("torch."),
+        "eagle_aux_hidden_state_layer_ids": serving_ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": serving_ids,
+                         "use_aux_hidden_state": True},
+    }
+    state = {name: t.detach().cpu().contiguous() for name, t in draft.state_dict().items()
+             if not name.startswith("embed_tokens.")}  # vLLM shares the target's embedding
+    state["d2t"] = vocab.d2t.clone()
+    state["t2d"] = vocab.t2d.clone()
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(state, str(out / WEIGHTS_FILE))
+    validate_export(out, target_vocab_size=c.vocab_size, target_hidden_size=c.target_hidden_size,
+                    target_num_layers=target_num_layers)
+    logger.info("exported draft to %s (aux ids %s in vLLM's convention)", out, serving_ids)
+    return out
+
+
+def validate_export(path: str | Path, target_vocab_size: int, target_hidden_size: int,
+                    target_num_layers: int) -> None:
+    """Raise ValueError on anything vLLM would load silently and serve badly."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    weights = load_file(str(path / WEIGHTS_FILE))
+    problems = []
+    hidden, draft_vocab = config["hidden_size"], config["draft_vocab_size"]
+    heads, kv_heads, head_dim = (config["num_attention_heads"], config["num_key_value_heads"],
+                                 config["head_dim"])
+    expected = {
+        "fc.weight": (hidden, 3 * target_hidden_size),
+        "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": (config["intermediate_size"], hidden),
+        "midlayer.mlp.up_proj.weight": (config["intermediate_size"], hidden),
+        "midlayer.mlp.down_proj.weight": (hidden, config["intermediate_size"]),
+        "midlayer.input_layernorm.weight": (hidden,),
+        "midlayer.hidden_norm.weight": (hidden,),
+        "midlayer.post_attention_layernorm.weight": (hidden,),
+        "norm.weight": (hidden,),
+        "lm_head.weight": (draft_vocab, hidden),
+        "d2t": (draft_vocab,),
+    }
+    for name, shape in expected.items():
+        if name not in weights:
+            problems.append(f"missing weight {name}")
+        elif tuple(weights[name].shape) != shape:
+            problems.append(f"{name} has shape {list(weights[name].shape)}, expected {list(shape)}")
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or []
+    if len(ids) != 3 or ids != sorted(set(ids)) or not all(1 <= i < target_num_layers
+                                                           for i in ids):
+        problems.append(f"eagle_aux_hidden_state_layer_ids {ids} must be three ascending ids in "
+                        f"[1, {target_num_layers}) (vLLM's pre-layer convention)")
+    if config["vocab_size"] != target_vocab_size:
+        problems.append(f"vocab_size {config['vocab_size']} is not the target's "
+                        f"{target_vocab_size}")
+    if "d2t" in weights:
+        d2t = weights["d2t"]
+        if d2t.dtype != torch.int64:
+            problems.append(f"d2t must be int64 offsets, got {d2t.dtype}")
+        target_ids = torch.arange(d2t.numel()) + d2t
+        if target_ids.min() < 0 or target_ids.max() >= target_vocab_size:
+            problems.append("d2t maps draft ids outside the target vocabulary (offsets expected: "
+                            "target_id = draft_id + d2t[draft_id])")
+        if not torch.all(target_ids[1:] > target_ids[:-1]):
+            problems.append("d2t does not map to distinct ascending target ids")
+    if problems:
+        raise ValueError(f"draft export {path} is not servable: " + "; ".join(problems))
+
+
+def load_exported_draft(path: str | Path, embedding_weight: torch.Tensor
+                        ) -> tuple[Eagle3Draft, DraftVocab]:
+    """Rebuild an exported draft (for evaluation) with the target's embedding."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    draft_config = DraftConfig(
+        hidden_size=config["hidden_size"], target_hidden_size=config["target_hidden_size"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
+        intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+        draft_vocab_size=config["draft_vocab_size"], rms_norm_eps=config["rms_norm_eps"],
+        rope_theta=config["rope_theta"],
+        max_position_embeddings=config["max_position_embeddings"])
+    weights = load_file(str(path / WEIGHTS_FILE))
+    d2t = weights.pop("d2t")
+    weights.pop("t2d", None)
+    draft = Eagle3Draft(draft_config, embedding_weight)
+    draft.load_state_dict({**weights, "embed_tokens.weight": embedding_weight})
+    vocab = DraftVocab(torch.arange(d2t.numel()) + d2t, config["vocab_size"])
+    return draft, vocab

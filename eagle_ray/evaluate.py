@@ -1,0 +1,150 @@
+"""Acceptance length of a draft against its target, measured two independent ways.
+
+1. `simulate_acceptance`: the project's own greedy chain drafting. Per iteration the target gives
+   its next token, the draft proposes k more, the target's greedy continuation accepts a prefix;
+   acceptance length = tokens gained per target forward.
+2. `vllm_acceptance`: vLLM itself serving the exported draft as the target's `eagle3` speculative
+   model, read from vLLM's spec-decode counters (1 + accepted / drafts). Greedy output with
+   speculation is also compared with the target's greedy output without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle_ray.draft.export import load_exported_draft
+from eagle_ray.draft.model import Eagle3Draft, shift_left
+from eagle_ray.hf_target import HFEagle3TargetModel
+from eagle_ray.supervision import DraftVocab
+
+logger = logging.getLogger(__name__)
+
+
+def prompt_ids(samples: Sequence[dict], tokenizer) -> list[list[int]]:
+    """Held-out conversations up to (and including) the assistant turn's opening."""
+    prompts = []
+    for sample in samples:
+        messages = [m for m in sample["messages"] if m["role"] != "assistant"]
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                return_dict=True)
+        prompts.append(list(encoded["input_ids"]))
+    return prompts
+
+
+@torch.inference_mode()
+def greedy_generate(target: HFEagle3TargetModel, prompt: list[int], max_new_tokens: int
+                    ) -> list[int]:
+    model = target.model
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         min_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
+def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,
+                        prompts: list[list[int]], k: int, max_new_tokens: int) -> float:
+    """Mean tokens gained per target forward with greedy chain drafting of `k` tokens."""
+    head = target.get_target_head()
+    gained, iterations = 0, 0
+    for prompt in prompts:
+        continuation = greedy_generate(target, prompt, max_new_tokens + k + 1)
+        seq, produced = list(prompt), 0
+        while produced < max_new_tokens:
+            ids = torch.tensor([seq])
+            ones = torch.ones_like(ids)
+            out = target.runner.run(ids, ones)
+            next_token = int(head(out.last_hidden[0, -1]).argmax())
+            # Step j reads, at the last slot, the token drafted by step j - 1.
+            step_ids = [torch.tensor([seq[1:] + [next_token]])]
+            drafted: list[int] = []
+            for _ in range(k):
+                logits = draft(out.aux_hidden_states.float(), step_ids, ones)[-1][0, -1]
+                drafted.append(int(vocab.draft_to_target[int(logits.argmax())]))
+                step = shift_left(step_ids[-1], 1)
+                step[0, -1] = drafted[-1]
+                step_ids.append(step)
+            truth = continuation[produced + 1: produced + 1 + k]
+            accepted = 0
+            while accepted < len(truth) and drafted[accepted] == truth[accepted]:
+                accepted += 1
+            seq += [next_token] + drafted[:accepted]
+            produced += 1 + accepted
+            gained += 1 + accepted
+            iterations += 1
+    return gained / max(iterations, 1)
+
+
+def vllm_acceptance(model_path: str, draft_dir: str | Path, prompts: list[list[int]], k: int,
+                    max_new_tokens: int, reference: list[list[int]] | None = None,
+                    dtype: str = "float32") -> dict[str, Any]:
+    """Serve the exported draft with vLLM (`method="eagle3"`) and read its acceptance counters."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
+
+    from eagle_ray.vllm_runner import CPU_DEFAULTS, GPU_DEFAULTS, build_llm
+
+    defaults = CPU_DEFAULTS if current_platform.is_cpu() else GPU_DEFAULTS
+    llm = build_llm({**defaults, "model": model_path, "dtype": dtype, "skip_tokenizer_init": True,
+                     "disable_log_stats": False,
+                     "speculative_config": {"method": "eagle3", "model": str(draft_dir),
+                                            "num_speculative_tokens": k}},
+                    multiprocess=True)
+    try:
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True,
+                                detokenize=False)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                               use_tqdm=False)
+        counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    drafts = counters.get("vllm:spec_decode_num_drafts", 0)
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+    result: dict[str, Any] = {
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else float("nan"),
+        "drafts": drafts, "accepted_tokens": accepted,
+    }
+    if reference is not None:
+        generated = [list(o.outputs[0].token_ids) for o in outputs]
+        result["greedy_equal_fraction"] = sum(
+            g == r[:len(g)] for g, r in zip(generated, reference, strict=True)) / len(generated)
+    return result
+
+
+def evaluate_draft(model_path: str, draft_dir: str | Path, held_out: Sequence[dict], tokenizer,
+                   eval_config, aux_layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """Acceptance of the trained draft and of an untrained one, both ways (see module doc)."""
+    import tempfile
+
+    from eagle_ray.draft.export import export_draft
+
+    target = HFEagle3TargetModel.from_pretrained(model_path, aux_layer_ids, dtype=torch.float32)
+    prompts = prompt_ids(held_out[:eval_config.prompts], tokenizer)
+    if not prompts:
+        raise ValueError("evaluation needs held-out prompts (data.eval_samples > 0)")
+    embedding = target.get_input_embeddings().weight.detach()
+    trained, vocab = load_exported_draft(draft_dir, embedding)
+    torch.manual_seed(1234)
+    untrained = Eagle3Draft(trained.config, embedding)
+    k, n = eval_config.num_speculative_tokens, eval_config.max_new_tokens
+    report: dict[str, Any] = {"num_speculative_tokens": k, "prompts": len(prompts)}
+    for name, draft in (("trained", trained), ("untrained", untrained)):
+        draft.eval()
+        report[f"simulated_acceptance_{name}"] = simulate_acceptance(target, draft, vocab,
+                                                                     prompts, k, n)
+    if eval_config.vllm:
+        reference = [greedy_generate(target, p, n) for p in prompts]
+        with tempfile.TemporaryDirectory() as tmp:
+            untrained_dir = export_draft(untrained, vocab, aux_layer_ids or target.aux_layer_ids,
+                                         target.num_hidden_layers, Path(tmp) / "untrained")
+            for name, path in (("trained", draft_dir), ("untrained", untrained_dir)):
+                result = vllm_acceptance(model_path, path, prompts, k, n, reference)
+                report[f"vllm_acceptance_{name}"] = result["mean_acceptance_length"]
+                report[f"vllm_greedy_equal_fraction_{name}"] = result["greedy_equal_fraction"]
+    logger.info("evaluation: %s", report)
+    return report

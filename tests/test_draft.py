@@ -1,0 +1,96 @@
+"""The draft model, its TTT loss and its export, without Ray."""
+
+import json
+
+import pytest
+import torch
+
+from eagle_ray.draft.export import export_draft, load_exported_draft, validate_export
+from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
+from eagle_ray.supervision import DraftVocab, draft_target
+from eagle_ray.testing import random_micro_batch
+
+
+@pytest.fixture(scope="module")
+def setup(hf_llama):
+    vocab = DraftVocab.from_token_counts(torch.arange(hf_llama.vocab_size) % 5 + 1, 128)
+    config = DraftConfig.from_target(hf_llama.model.config, vocab.size)
+    return hf_llama, vocab, config
+
+
+def test_ttt_training_on_the_tiny_target_lowers_the_loss(setup):
+    target, vocab, config = setup
+    torch.manual_seed(0)
+    draft = Eagle3Draft(config, target.get_input_embeddings().weight.detach())
+    batch = target.generate_batch(*random_micro_batch(target.vocab_size, (24, 17, 30)))
+    probs, mask = draft_target(batch, vocab, target.get_target_head())
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss, per_step, accuracy = ttt_loss(draft, batch.aux_hidden_states, batch.input_ids,
+                                            batch.attention_mask, batch.loss_mask, probs, mask,
+                                            ttt_steps=3)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+        assert len(per_step) == len(accuracy) == 3
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert not draft.embed_tokens.weight.requires_grad
+
+
+def test_later_ttt_steps_attend_to_their_own_diagonal_only(setup):
+    target, vocab, config = setup
+    torch.manual_seed(0)
+    draft = Eagle3Draft(config, target.get_input_embeddings().weight.detach()).eval()
+    aux = torch.randn(1, 6, 3 * config.target_hidden_size)
+    ids = torch.randint(0, config.vocab_size, (1, 6))
+    mask = torch.ones_like(ids)
+    changed = ids.clone()
+    changed[0, 2] = (ids[0, 2] + 1) % config.vocab_size
+    with torch.no_grad():
+        base = draft(aux, [ids, ids], mask)
+        other = draft(aux, [ids, changed], mask)  # step 1 reads a different token at slot 2
+    assert torch.equal(base[0], other[0])  # step 0 does not see step 1's tokens
+    assert torch.equal(base[1][0, :2], other[1][0, :2])  # earlier slots do not see slot 2
+    assert not torch.equal(base[1][0, 2], other[1][0, 2])
+
+
+def test_export_round_trips_and_writes_vllm_layer_ids(setup, tmp_path):
+    target, vocab, config = setup
+    draft = Eagle3Draft(config, target.get_input_embeddings().weight.detach())
+    out = export_draft(draft, vocab, target.aux_layer_ids, target.num_hidden_layers, tmp_path)
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in target.aux_layer_ids]
+    assert exported["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert exported["vocab_size"] == target.vocab_size
+    loaded, loaded_vocab = load_exported_draft(out, target.get_input_embeddings().weight)
+    assert torch.equal(loaded_vocab.draft_to_target, vocab.draft_to_target)
+    for name, tensor in draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_export_validation_catches_what_vllm_would_not(setup, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target, vocab, config = setup
+    draft = Eagle3Draft(config, target.get_input_embeddings().weight.detach())
+    out = export_draft(draft, vocab, target.aux_layer_ids, target.num_hidden_layers, tmp_path)
+    weights = load_file(str(out / "model.safetensors"))
+    args = dict(target_vocab_size=target.vocab_size,
+                target_hidden_size=config.target_hidden_size,
+                target_num_layers=target.num_hidden_layers)
+
+    save_file({**weights, "d2t": vocab.draft_to_target.clone()}, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="d2t maps draft ids outside|ascending"):
+        validate_export(out, **args)  # absolute ids instead of offsets
+    fc = weights["fc.weight"][:, : 2 * config.target_hidden_size].contiguous()
+    save_file({**weights, "fc.weight": fc}, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="fc.weight has shape"):
+        validate_export(out, **args)
+    save_file(weights, str(out / "model.safetensors"))
+    exported = json.loads((out / "config.json").read_text())
+    exported["eagle_aux_hidden_state_layer_ids"] = [5, 2, 4]
+    (out / "config.json").write_text(json.dumps(exported))
+    with pytest.raises(ValueError, match="three ascending ids"):
+        validate_export(out, **args)

@@ -1,0 +1,59 @@
+"""Job configs: schema errors are clear; the shipped examples and cluster.yaml validate."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle_ray.config import ConfigError, apply_overrides, from_dict, load_yaml
+from eagle_ray.train import JobConfig, check_paths
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "gpu-8b.yaml"])
+def test_example_configs_load(name):
+    config = load_yaml(JobConfig, ROOT / "examples" / name)
+    assert config.train.workers >= 1
+
+
+def test_unknown_key_names_the_path_and_the_allowed_keys():
+    with pytest.raises(ConfigError, match=r"unknown key train\.stpes; allowed keys under train: "
+                                          r".*steps"):
+        from_dict(JobConfig, {"train": {"stpes": 10}})
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match=r"train\.steps must be int, got 'ten'"):
+        from_dict(JobConfig, {"train": {"steps": "ten"}})
+    with pytest.raises(ConfigError, match=r"target\.encoding must be one of"):
+        from_dict(JobConfig, {"target": {"encoding": "probs"}})
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    config = from_dict(JobConfig, {"target": {"model_path": str(tmp_path / "nope")}})
+    with pytest.raises(ConfigError, match="is not a model folder"):
+        check_paths(config)
+    config = from_dict(JobConfig, {"data": {"path": str(tmp_path / "missing.jsonl")}})
+    with pytest.raises(ConfigError, match="data.path .* does not exist"):
+        check_paths(config)
+
+
+def test_overrides_apply_dotted_paths_with_yaml_values():
+    data = apply_overrides({"train": {"steps": 5}}, ["train.steps=50", "target.replicas=2",
+                                                     "target.vllm_kwargs.max_model_len=4096"])
+    config = from_dict(JobConfig, data)
+    assert config.train.steps == 50 and config.target.replicas == 2
+    assert config.target.vllm_kwargs == {"max_model_len": 4096}
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        apply_overrides({}, ["train.steps"])
+
+
+def test_cluster_yaml_validates_against_rays_schema():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    validate_config(prepare_config(config))
+    broken = {**config, "max_wokers": 3}
+    with pytest.raises(Exception, match="max_wokers"):
+        validate_config(prepare_config(broken))

@@ -1,0 +1,87 @@
+"""End to end: the pool feeds Ray Train workers, the draft learns, exports, and vLLM serves it.
+
+One training run (module fixture) backs the assertions; a second run resumes from its checkpoint.
+"""
+
+import json
+
+import pytest
+import ray
+
+from eagle_ray.config import from_dict
+from eagle_ray.train import JobConfig, run_job
+
+pytestmark = pytest.mark.slow
+
+STEPS = 60
+
+
+def job(output_dir, **overrides) -> JobConfig:
+    config = {
+        "target": {"dtype": "float32", "name": "train-test", "namespace": "eagle_ray_test"},
+        "data": {"num_samples": 200, "eval_samples": 8, "micro_batch_size": 8},
+        "train": {"workers": 2, "steps": STEPS, "checkpoint_every": 30, "log_every": 10,
+                  "warmup_steps": 10},
+        "eval": {"prompts": 6, "max_new_tokens": 24, "num_speculative_tokens": 3},
+        "output_dir": str(output_dir),
+        "run_name": "train-test",
+    }
+    for key, value in overrides.items():
+        section, _, leaf = key.partition("__")
+        config.setdefault(section, {})[leaf] = value
+    return from_dict(JobConfig, config)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=4, object_store_memory=400 * 2**20, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def trained(local_ray, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("train")
+    summary = run_job(job(output_dir))
+    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return output_dir, summary, metrics
+
+
+def test_loss_decreases_and_accuracy_rises(trained):
+    _, _, metrics = trained
+    assert [m["step"] for m in metrics] == list(range(10, STEPS + 1, 10))
+    assert metrics[-1]["loss_0"] < 0.85 * metrics[0]["loss_0"], [m["loss_0"] for m in metrics]
+    assert metrics[-1]["acc_0"] > metrics[0]["acc_0"]
+    assert all(0 <= m["pool_wait_share"] <= 1 and m["supervision_tokens_per_s"] > 0
+               for m in metrics)
+
+
+def test_trained_draft_beats_an_untrained_one_in_simulation_and_in_vllm(trained):
+    _, summary, _ = trained
+    report = summary["eval"]
+    assert report["simulated_acceptance_untrained"] < report["simulated_acceptance_trained"]
+    # vLLM serving the exported draft as eagle3: clearly above the untrained draft ...
+    assert report["vllm_acceptance_trained"] > report["vllm_acceptance_untrained"] + 0.05
+    # ... in agreement with the project's own simulation ...
+    assert abs(report["vllm_acceptance_trained"] - report["simulated_acceptance_trained"]) < 0.15
+    # ... and speculation never changes greedy output.
+    assert report["vllm_greedy_equal_fraction_trained"] == 1.0
+    assert report["vllm_greedy_equal_fraction_untrained"] == 1.0
+
+
+def test_export_is_a_servable_draft_folder(trained):
+    output_dir, summary, _ = trained
+    config = json.loads((output_dir / "draft" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # canonical [1, 3, 4] + 1
+    assert config["draft_vocab_size"] == 256
+    assert (output_dir / "draft_vocab.json").exists()
+    assert summary["dropped_too_long"] == 0 and summary["micro_batches"] > 0
+
+
+def test_rerun_resumes_the_step_count_and_the_loss_curve(trained):
+    output_dir, _, first = trained
+    run_job(job(output_dir, train__steps=STEPS + 20, eval__enabled=False))
+    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    resumed = metrics[len(first):]
+    assert [m["step"] for m in resumed] == [STEPS + 10, STEPS + 20]
+    assert resumed[0]["loss_0"] < 0.9 * first[0]["loss_0"], "continues, not restarts"
