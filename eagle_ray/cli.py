@@ -14,7 +14,7 @@ import sys
 logger = logging.getLogger("eagle_ray")
 
 BENCHMARKS = ["encodings", "backends", "handoff", "engine-start", "pool", "router", "scaling",
-              "transport"]
+              "transport", "train"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -152,6 +152,10 @@ def _bench(args: argparse.Namespace) -> int:
         pool.run_scaling()
     elif which == "transport":
         pool.run_transport()
+    elif which == "train":
+        from eagle_ray.bench import train
+
+        train.run(str(tiny_target(args.arch)))
     return 0
 
 
