@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def cluster():
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "object_store_memory": 150 * 2**20, "include_dashboard": False})
+        "num_cpus": 2, "object_store_memory": 150 * 2**20, "include_dashboard": False,
+        "resources": {"head": 100}})
     ray.init(address=cluster.address, namespace="eagle_ray_test", runtime_env=TESTS_ON_WORKER_PATH)
     yield cluster
     ray.shutdown()
@@ -88,7 +89,9 @@ def test_removing_a_node_with_replicas_loses_no_micro_batch(cluster):
     pool = synthetic_pool("node-loss", replicas=2, use_gpu=True, cpus_per_bundle=0.5,
                           backend_kwargs={"seconds_per_call": 0.05})
     try:
-        trainers = [TrainerStandIn.remote("node-loss") for _ in range(2)]
+        # The training actors live on the head: only the target replicas' node goes away.
+        trainers = [TrainerStandIn.options(resources={"head": 1}).remote("node-loss")
+                    for _ in range(2)]
         runs = [t.run.remote(30, seed=30 + s) for s, t in enumerate(trainers)]
         time.sleep(1.5)
         gpu_node(cluster)  # where the replicas can be rescheduled
