@@ -286,7 +286,8 @@ def shift_supervision(
 
     Slot `t` pairs the aux states at position `t` with token `x[t+1]` and the target's state at
     `t+1`; slots without a position `t+1` in their row are zeroed, so every backend agrees on
-    every slot (not only unpadded ones).
+    every slot (not only unpadded ones). `aux_hidden_states` (the largest tensor, owned by the
+    caller's runner output) is zeroed at padding in place rather than copied.
     """
     valid = attention_mask.bool()
     has_next = next_position_mask(attention_mask)
@@ -298,7 +299,7 @@ def shift_supervision(
         return out.masked_fill_(~mask, 0)
 
     return {
-        "aux_hidden_states": aux_hidden_states.masked_fill(~valid.unsqueeze(-1), 0),
+        "aux_hidden_states": aux_hidden_states.masked_fill_(~valid.unsqueeze(-1), 0),
         "input_ids": shift_left(input_ids.long()),
         "attention_mask": attention_mask.long(),
         "loss_mask": shift_left(loss_mask.long()),
