@@ -116,13 +116,7 @@ class PoolRouter:
             deadline = time.monotonic() + timeout_s
             async with self._changed:
                 while replica.outstanding_micro_batches > 0:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        drained = False
-                        break
-                    try:
-                        await asyncio.wait_for(self._changed.wait(), remaining)
-                    except TimeoutError:
+                    if not await self._wait_for_change(deadline):
                         drained = False
                         break
         self._replicas.pop(name, None)
@@ -199,18 +193,25 @@ class PoolRouter:
                     self._outstanding_gauge.set(replica.outstanding_tokens,
                                                 tags={"replica": replica.name})
                     return replica.name, replica.handle
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if not await self._wait_for_change(deadline):
                     raise NoReplicaAvailable(
                         f"no replica accepted micro-batch {micro_batch_id} ({num_tokens} tokens) "
                         f"within {timeout_s:.0f}s; replicas: "
                         f"{ {n: r.state for n, r in self._replicas.items()} or 'none'}"
                         f"{'; already failed on ' + str(sorted(avoid)) if avoid else ''}"
                     )
-                try:
-                    await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
-                except TimeoutError:
-                    pass
+
+    async def _wait_for_change(self, deadline: float) -> bool:
+        """Wait (holding `self._changed`) for a capacity or membership change, at most a second
+        at a time so deadlines are honoured; False once `deadline` has passed."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        try:
+            await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
+        except TimeoutError:
+            pass
+        return True
 
     def _pick(self, num_tokens: int, avoid: set[str]) -> _Replica | None:
         ready = [r for r in self._replicas.values() if r.state == "ready"]
@@ -259,10 +260,5 @@ class PoolRouter:
                 for replica in self._replicas.values():
                     if replica.state == "ready" and replica.info:
                         return replica.info
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if not await self._wait_for_change(deadline):
                     raise NoReplicaAvailable(f"no replica became ready within {timeout_s:.0f}s")
-                try:
-                    await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
-                except TimeoutError:
-                    pass
