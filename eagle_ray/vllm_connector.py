@@ -1,8 +1,9 @@
 """vLLM KV-connector plug-in that hands captured hidden states back without a disk round trip.
 
 This module is a vLLM plug-in: vLLM imports it by path (`kv_connector_module_path`) inside the
-processes that run its scheduler and workers, so it imports vLLM at load. Nothing else in
-eagle_ray imports it; `eagle_ray.vllm_runner` names it in the engine config.
+processes that run its scheduler and workers and looks the class up by name. The class is defined
+on that lookup (module `__getattr__`), so importing this module does not import vLLM.
+`eagle_ray.vllm_runner` names it in the engine config.
 
 vLLM's `extract_hidden_states` speculative method writes the requested hidden states of every
 prompt token into a cache-only KV layer. When a request finishes, the scheduler side
@@ -26,12 +27,6 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-    ExampleHiddenStatesConnector,
-    PendingSave,
-    extract_from_kv_cache,
-)
-from vllm.logger import init_logger
 
 from eagle_ray.vllm_handoff import PARAMS_KEY, handoff_key, publish
 
@@ -41,9 +36,16 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+CONNECTOR_CLASS = "EagleRayHiddenStatesConnector"
 
-# --------------------------------------------------------------------------- the connector
+
+def __getattr__(name: str) -> Any:
+    """vLLM's connector factory does `getattr(module, CONNECTOR_CLASS)`: define it then."""
+    if name == CONNECTOR_CLASS:
+        connector = _define_connector()
+        globals()[name] = connector
+        return connector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _Done:
@@ -54,79 +56,89 @@ class _Done:
         return True
 
 
-class EagleRayHiddenStatesConnector(ExampleHiddenStatesConnector):
-    """Store-only connector: publishes each finished request's hidden states through a hand-off.
+def _define_connector() -> type:
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+        PendingSave,
+        extract_from_kv_cache,
+    )
 
-    Configured through `kv_connector_extra_config`: `handoff` ("inprocess" | "shm" | "file"),
-    `handoff_dir` (for "shm"/"file") and `engine_tag` (keeps keys of engines on one host apart).
-    Reuses vLLM's example connector for block bookkeeping; overrides only where data goes.
-    """
+    class EagleRayHiddenStatesConnector(ExampleHiddenStatesConnector):
+        """Store-only connector: publishes each finished request's hidden states.
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config.get_from_extra_config
-        self._handoff = extra("handoff", "shm")
-        self._handoff_dir = extra("handoff_dir", "/dev/shm")
-        self._engine_tag = extra("engine_tag", "default")
-        self.use_lock = False  # readers wait for the rename, not for a file lock
-        if self._handoff != "inprocess":
-            os.makedirs(self._handoff_dir, exist_ok=True)
-
-    # Scheduler side ----------------------------------------------------------------------
-
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Called by the scheduler once per finished request, before its blocks are freed.
-
-        Keeps the blocks until the worker has gathered the states, and tells the caller the key
-        they will be published under (it arrives in `RequestOutput.kv_transfer_params`).
+        Configured through `kv_connector_extra_config`: `handoff` ("inprocess" | "shm" |
+        "file"), `handoff_dir` (for "shm"/"file") and `engine_tag` (keeps keys of engines on one
+        host apart). Reuses vLLM's example connector for block bookkeeping; overrides only where
+        the data goes.
         """
-        delay, params = super().request_finished(request, block_ids)
-        if params is None:
-            return delay, None
-        return delay, {PARAMS_KEY: handoff_key(self._engine_tag, request.request_id)}
 
-    # Worker side -------------------------------------------------------------------------
+        def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                     kv_cache_config: KVCacheConfig) -> None:
+            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+            extra = self._kv_transfer_config.get_from_extra_config
+            self._handoff = extra("handoff", "shm")
+            self._handoff_dir = extra("handoff_dir", "/dev/shm")
+            self._engine_tag = extra("engine_tag", "default")
+            self.use_lock = False  # readers wait for the rename, not for a file lock
+            if self._handoff != "inprocess":
+                os.makedirs(self._handoff_dir, exist_ok=True)
 
-    def _submit_async_write(self, pending: PendingSave) -> None:
-        """Called by `get_finished` on the worker for each finished request: gather and publish."""
-        if not self._is_tp_rank_zero:
-            return
-        assert self._kv_cache is not None
-        block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
-        offsets = torch.arange(self._block_size, dtype=torch.long)
-        slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()
-        num_tokens = pending.token_ids.shape[0]
-        key = handoff_key(self._engine_tag, pending.req_id)
-        if self._kv_cache.device.type == "cpu":
-            states = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
-            publish(self._handoff, self._handoff_dir, key, states)
-            self._req_copy_events[pending.req_id] = _Done()
-            return
-        self._submit_device_copy(pending.req_id, key, slots, num_tokens)
+        # Scheduler side ----------------------------------------------------------------------
 
-    def _submit_device_copy(self, req_id: str, key: str, slots: torch.Tensor,
-                            num_tokens: int) -> None:
-        """GPU: async device-to-host copy on a side stream; publish once it has landed."""
-        stream = self._get_copy_stream()
-        ready = torch.cuda.Event()
-        ready.record()
-        stream.wait_event(ready)
-        with torch.cuda.stream(stream):
-            gathered = extract_from_kv_cache(
-                self._kv_cache, slots.to(self._kv_cache.device, non_blocking=True), num_tokens
-            )
-            host = torch.empty_like(gathered, device="cpu", pin_memory=True)
-            host.copy_(gathered, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(stream)
-        self._req_copy_events[req_id] = copied
+        def request_finished(self, request: Request,
+                             block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+            """Called by the scheduler once per finished request, before its blocks are freed.
 
-        def finish() -> None:
-            copied.synchronize()
-            publish(self._handoff, self._handoff_dir, key, host)
+            Keeps the blocks until the worker has gathered the states, and tells the caller the key
+            they will be published under (it arrives in `RequestOutput.kv_transfer_params`).
+            """
+            delay, params = super().request_finished(request, block_ids)
+            if params is None:
+                return delay, None
+            return delay, {PARAMS_KEY: handoff_key(self._engine_tag, request.request_id)}
 
-        future = self._executor.submit(finish)
-        self._req_futures[req_id] = future
-        future.add_done_callback(lambda f, r=req_id: self._on_write_done(r, f))
+        # Worker side -------------------------------------------------------------------------
+
+        def _submit_async_write(self, pending: PendingSave) -> None:
+            """Called by `get_finished` on the worker per finished request: gather, publish."""
+            if not self._is_tp_rank_zero:
+                return
+            assert self._kv_cache is not None
+            block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
+            offsets = torch.arange(self._block_size, dtype=torch.long)
+            slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()
+            num_tokens = pending.token_ids.shape[0]
+            key = handoff_key(self._engine_tag, pending.req_id)
+            if self._kv_cache.device.type == "cpu":
+                states = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
+                publish(self._handoff, self._handoff_dir, key, states)
+                self._req_copy_events[pending.req_id] = _Done()
+                return
+            self._submit_device_copy(pending.req_id, key, slots, num_tokens)
+
+        def _submit_device_copy(self, req_id: str, key: str, slots: torch.Tensor,
+                                num_tokens: int) -> None:
+            """GPU: async device-to-host copy on a side stream; publish once it has landed."""
+            stream = self._get_copy_stream()
+            ready = torch.cuda.Event()
+            ready.record()
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                gathered = extract_from_kv_cache(
+                    self._kv_cache, slots.to(self._kv_cache.device, non_blocking=True), num_tokens
+                )
+                host = torch.empty_like(gathered, device="cpu", pin_memory=True)
+                host.copy_(gathered, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+            self._req_copy_events[req_id] = copied
+
+            def finish() -> None:
+                copied.synchronize()
+                publish(self._handoff, self._handoff_dir, key, host)
+
+            future = self._executor.submit(finish)
+            self._req_futures[req_id] = future
+            future.add_done_callback(lambda f, r=req_id: self._on_write_done(r, f))
+
+    return EagleRayHiddenStatesConnector

@@ -21,11 +21,11 @@ import torch
 
 from eagle_ray import vllm_handoff
 from eagle_ray.target_runner import RunnerOutput, TargetRunner
+from eagle_ray.vllm_connector import CONNECTOR_CLASS
 
 logger = logging.getLogger(__name__)
 
 CONNECTOR_MODULE = "eagle_ray.vllm_connector"
-CONNECTOR_CLASS = "EagleRayHiddenStatesConnector"
 # Set by the runner itself; passing them in vllm_kwargs would silently break the capture.
 OWNED_KWARGS = ("model", "speculative_config", "kv_transfer_config", "skip_tokenizer_init")
 # Defaults that work on a small CPU machine; any key in vllm_kwargs wins.

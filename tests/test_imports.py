@@ -22,7 +22,7 @@ def test_package_imports_without_vllm():
     modules = ["eagle_ray", "eagle_ray.target_runner", "eagle_ray.hf_target",
                "eagle_ray.supervision", "eagle_ray.testing", "eagle_ray.cli",
                "eagle_ray.vllm_target", "eagle_ray.vllm_runner", "eagle_ray.vllm_handoff",
-               "eagle_ray.checkpoint"]
+               "eagle_ray.checkpoint", "eagle_ray.vllm_connector"]
     code = BLOCK_VLLM + "".join(f"import {m}\n" for m in modules) + "print('ok')"
     result = run_python(code)
     assert result.returncode == 0, result.stderr
