@@ -21,8 +21,7 @@ from eagle_ray.target_runner import (
     RunnerEagle3TargetModel,
     RunnerOutput,
     TargetRunner,
-    default_eagle3_aux_layer_ids,
-    validate_eagle3_aux_layer_ids,
+    resolve_eagle3_aux_layer_ids,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,9 +78,7 @@ class HFEagle3TargetModel(RunnerEagle3TargetModel):
                  encoding: Encoding = "last_hidden", draft_vocab: DraftVocab | None = None) -> None:
         config = model.config.get_text_config()
         num_layers = config.num_hidden_layers
-        if aux_layer_ids is None:
-            aux_layer_ids = default_eagle3_aux_layer_ids(num_layers)
-        aux_layer_ids = validate_eagle3_aux_layer_ids(aux_layer_ids, num_layers)
+        aux_layer_ids = resolve_eagle3_aux_layer_ids(aux_layer_ids, num_layers)
         self.model = model
         super().__init__(
             HFTargetRunner(model, aux_layer_ids),

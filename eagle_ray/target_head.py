@@ -41,10 +41,6 @@ class TargetHead(nn.Module):
         return cls(model.get_decoder().norm, model.get_output_embeddings(),
                    **head_options(model.config))
 
-    @property
-    def vocab_size(self) -> int:
-        return self.lm_head.weight.shape[0]
-
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits over the full vocabulary, or only over `token_ids` (e.g. a draft vocabulary)."""
         normed = self.norm(hidden.to(self.lm_head.weight.dtype))

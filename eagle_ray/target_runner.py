@@ -81,6 +81,14 @@ def validate_eagle3_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[i
     return ids
 
 
+def resolve_eagle3_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> list[int]:
+    """The given ids validated, or the default ones when `ids` is None (what every backend does
+    before it builds its engine)."""
+    if ids is None:
+        return default_eagle3_aux_layer_ids(num_layers)
+    return validate_eagle3_aux_layer_ids(ids, num_layers)
+
+
 def _default_or_none(num_layers: int) -> list[int] | None:
     try:
         return default_eagle3_aux_layer_ids(num_layers)

@@ -213,7 +213,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
     from eagle_ray.pool import PoolClient
     from eagle_ray.supervision import DraftVocab, draft_target
-    from eagle_ray.target_runner import default_eagle3_aux_layer_ids
+    from eagle_ray.target_runner import resolve_eagle3_aux_layer_ids
 
     job = from_dict(JobConfig, loop_config["job"])
     train = job.train
@@ -309,7 +309,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             ray.train.report(metrics)
     progress.close()
     if rank == 0:
-        aux_ids = job.target.aux_layer_ids or default_eagle3_aux_layer_ids(num_layers)
+        aux_ids = resolve_eagle3_aux_layer_ids(job.target.aux_layer_ids, num_layers)
         export_draft(draft, vocab, aux_ids, num_layers, Path(loop_config["output_dir"]) / "draft")
 
 

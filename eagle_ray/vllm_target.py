@@ -18,7 +18,7 @@ from eagle_ray.supervision import DraftVocab
 from eagle_ray.target_runner import (
     Encoding,
     RunnerEagle3TargetModel,
-    default_eagle3_aux_layer_ids,
+    resolve_eagle3_aux_layer_ids,
     vllm_capture_layer_ids,
 )
 
@@ -65,8 +65,7 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
         text_config = config.get_text_config()
         torch_dtype = resolve_dtype(dtype, text_config)
         num_layers = text_config.num_hidden_layers
-        if aux_layer_ids is None:
-            aux_layer_ids = default_eagle3_aux_layer_ids(num_layers)
+        aux_layer_ids = resolve_eagle3_aux_layer_ids(aux_layer_ids, num_layers)
         capture_ids = vllm_capture_layer_ids(aux_layer_ids, num_layers)
         embedding, head = load_embedding_and_head(model_path, torch_dtype, trust_remote_code)
         runner = VLLMTargetRunner(
