@@ -24,7 +24,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     from eagle_ray.data import collate, tokenize_chat
     from eagle_ray.hf_target import HFEagle3TargetModel
-    from eagle_ray.testing import generate_chat_samples, tiny_target
+    from eagle_ray.tiny import generate_chat_samples, tiny_target
 
     model_path = args.model or tiny_target(args.arch)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -46,8 +46,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     """Train (and evaluate) an EAGLE-3 draft fed by the target pool."""
-    from eagle_ray.config import load_yaml
-    from eagle_ray.train import JobConfig, run_job
+    from eagle_ray.config import JobConfig, load_yaml
+    from eagle_ray.train import run_job
 
     summary = run_job(load_yaml(JobConfig, args.config, args.overrides))
     print(json.dumps({"eval": summary.get("eval"), "draft_dir": summary["draft_dir"],
@@ -59,11 +59,10 @@ def _eval(args: argparse.Namespace) -> int:
     """Acceptance of an exported draft (simulated and vLLM-measured) on held-out prompts."""
     from transformers import AutoTokenizer
 
-    from eagle_ray.config import load_yaml
+    from eagle_ray.config import JobConfig, load_yaml
     from eagle_ray.data import read_jsonl
     from eagle_ray.evaluate import evaluate_draft
-    from eagle_ray.testing import generate_chat_samples, tiny_target
-    from eagle_ray.train import JobConfig
+    from eagle_ray.tiny import generate_chat_samples, tiny_target
 
     job = load_yaml(JobConfig, args.config, args.overrides)
     model_path = job.target.model_path or str(tiny_target("llama"))
@@ -85,8 +84,8 @@ def _connect(address: str, namespace: str) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     """Start a detached, shared pool on a running cluster and wait until it is ready."""
-    from eagle_ray.config import apply_overrides, from_dict, load_yaml
-    from eagle_ray.pool import PoolConfig, TargetPool
+    from eagle_ray.config import PoolConfig, apply_overrides, from_dict, load_yaml
+    from eagle_ray.pool import TargetPool
 
     if args.config:
         config = load_yaml(PoolConfig, args.config, args.overrides)
@@ -103,6 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    """Print a running pool's status as JSON: per replica state, load, tokens/s, restarts."""
     from eagle_ray.pool import TargetPool
 
     _connect(args.address, args.namespace)
@@ -111,6 +111,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _shutdown(args: argparse.Namespace) -> int:
+    """Remove a running pool: kill its replicas and router, remove its placement groups."""
     from eagle_ray.pool import TargetPool
 
     _connect(args.address, args.namespace)
@@ -119,10 +120,11 @@ def _shutdown(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    """Run one benchmark; results are JSON lines on stdout, ratios measured in the same run."""
     import torch
 
     from eagle_ray.bench import backends, encodings, handoff, pool
-    from eagle_ray.testing import tiny_target
+    from eagle_ray.tiny import tiny_target
 
     which = args.which
     if which == "encodings":
@@ -164,49 +166,47 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="supervision for a few chat samples from the tiny target")
-    demo.add_argument("--model", help="target model folder (default: the tiny built-in target)")
-    demo.add_argument("--arch", default="llama", choices=["llama", "qwen3"],
-                      help="tiny target architecture when --model is not given")
-    demo.add_argument("--samples", type=int, default=4, help="chat samples in the micro-batch")
-    demo.set_defaults(func=_demo)
+    def command(name: str, func, summary: str) -> argparse.ArgumentParser:
+        """A subcommand whose `--help` shows its function's docstring."""
+        p = sub.add_parser(name, help=summary, description=func.__doc__)
+        p.set_defaults(func=func)
+        return p
 
     def add_pool_target(p: argparse.ArgumentParser) -> None:
         p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
         p.add_argument("--name", default="eagle_ray_pool", help="pool name")
         p.add_argument("--namespace", default="eagle_ray", help="Ray namespace of the pool")
 
-    train = sub.add_parser("train", help="train an EAGLE-3 draft on Ray Train fed by the pool")
+    demo = command("demo", _demo, "supervision for a few chat samples from the tiny target")
+    demo.add_argument("--model", help="target model folder (default: the tiny built-in target)")
+    demo.add_argument("--arch", default="llama", choices=["llama", "qwen3"],
+                      help="tiny target architecture when --model is not given")
+    demo.add_argument("--samples", type=int, default=4, help="chat samples in the micro-batch")
+
+    train = command("train", _train, "train an EAGLE-3 draft on Ray Train fed by the pool")
     train.add_argument("--config", required=True, help="job config YAML (keys: see README)")
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. train.steps=50 target.replicas=2")
-    train.set_defaults(func=_train)
 
-    evaluate = sub.add_parser("eval", help="acceptance length of an exported draft")
+    evaluate = command("eval", _eval, "acceptance length of an exported draft")
     evaluate.add_argument("--config", required=True, help="the job config the draft came from")
     evaluate.add_argument("--draft", required=True, help="exported draft folder")
-    evaluate.add_argument("overrides", nargs="*", metavar="key=value")
-    evaluate.set_defaults(func=_eval)
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value",
+                          help="config overrides, e.g. eval.prompts=16")
 
-    serve = sub.add_parser("serve", help="start a detached, shared pool on a running cluster")
+    serve = command("serve", _serve, "start a detached, shared pool on a running cluster")
     serve.add_argument("--config", help="pool config YAML (keys: see README)")
     serve.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     serve.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. replicas=2 vllm_kwargs.max_model_len=4096")
-    serve.set_defaults(func=_serve)
 
-    status = sub.add_parser("status", help="print a running pool's status (JSON)")
-    add_pool_target(status)
-    status.set_defaults(func=_status)
+    add_pool_target(command("status", _status, "print a running pool's status (JSON)"))
+    add_pool_target(command("shutdown", _shutdown, "remove a running pool"))
 
-    shutdown = sub.add_parser("shutdown", help="remove a running pool")
-    add_pool_target(shutdown)
-    shutdown.set_defaults(func=_shutdown)
-
-    bench = sub.add_parser("bench", help="benchmarks; print JSON lines")
-    bench.add_argument("which", choices=BENCHMARKS)
-    bench.add_argument("--arch", default="llama", choices=["llama", "qwen3"])
-    bench.set_defaults(func=_bench)
+    bench = command("bench", _bench, "benchmarks; print JSON lines")
+    bench.add_argument("which", choices=BENCHMARKS, help="which benchmark (see README)")
+    bench.add_argument("--arch", default="llama", choices=["llama", "qwen3"],
+                       help="tiny target architecture")
     return parser
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from eagle_ray.config import EvalConfig
 from eagle_ray.draft.export import load_exported_draft
 from eagle_ray.draft.model import Eagle3Draft, shift_left
 from eagle_ray.hf_target import HFEagle3TargetModel
@@ -117,7 +118,8 @@ def vllm_acceptance(model_path: str, draft_dir: str | Path, prompts: list[list[i
 
 
 def evaluate_draft(model_path: str, draft_dir: str | Path, held_out: Sequence[dict], tokenizer,
-                   eval_config, aux_layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
+                   eval_config: EvalConfig, aux_layer_ids: Sequence[int] | None = None
+                   ) -> dict[str, Any]:
     """Acceptance of the trained draft and of an untrained one, both ways (see module doc)."""
     import tempfile
 

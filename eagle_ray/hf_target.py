@@ -14,15 +14,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from eagle_ray.aux_layers import resolve_eagle3_aux_layer_ids
 from eagle_ray.supervision import DraftVocab
+from eagle_ray.target_batch import Encoding
 from eagle_ray.target_head import TargetHead
-from eagle_ray.target_runner import (
-    Encoding,
-    RunnerEagle3TargetModel,
-    RunnerOutput,
-    TargetRunner,
-    resolve_eagle3_aux_layer_ids,
-)
+from eagle_ray.target_runner import RunnerEagle3TargetModel, RunnerOutput, TargetRunner
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +102,17 @@ class HFEagle3TargetModel(RunnerEagle3TargetModel):
     ) -> HFEagle3TargetModel:
         """Load a causal LM with `AutoModelForCausalLM.from_pretrained` and wrap it.
 
-        `dtype` is a torch dtype or its name ("bfloat16", "float32", "auto"); `model_kwargs` go to
-        `from_pretrained` untouched.
+        Args:
+            model_path: a local HF checkpoint folder (or a hub id where a hub is reachable).
+            aux_layer_ids: three canonical (post-layer) ids; None: `[1, N//2 - 1, N - 4]`.
+            dtype: a torch dtype or its name ("bfloat16", "float32"); None or "auto": the
+                checkpoint's own.
+            device: where the model runs (e.g. "cuda"); None: where transformers loads it.
+            trust_remote_code: passed to transformers.
+            encoding: the default target encoding of `generate_batch` ("last_hidden",
+                "logits", or "target_probs", which needs `draft_vocab`).
+            draft_vocab: the draft vocabulary, for the "target_probs" encoding.
+            **model_kwargs: passed to `AutoModelForCausalLM.from_pretrained` untouched.
         """
         logger.info("loading HF target %s (dtype=%s)", model_path, dtype)
         model = AutoModelForCausalLM.from_pretrained(

@@ -1,4 +1,5 @@
-"""Draft vocabulary and the draft-side view of any target encoding (DESIGN §2.3, §2.4).
+"""Draft vocabulary and the draft-side view of any target encoding (docs/contract.md,
+"Encodings" and "Draft vocabulary").
 
 Whatever encoding a backend ships (full `logits`, `last_hidden`, or `target_probs`), the trainer
 turns it into the same two tensors here: the target's distribution renormalised over the draft
@@ -15,9 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from eagle_ray.target_batch import Eagle3TargetBatch
+
 if TYPE_CHECKING:
     from eagle_ray.target_head import TargetHead
-    from eagle_ray.target_runner import Eagle3TargetBatch
 
 # Tokens per chunk when decoding last_hidden through the full-vocabulary head: bounds the
 # transient [chunk, V] logits (128k vocab x 4096 tokens x 4 B = 2 GiB at most).

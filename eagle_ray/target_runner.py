@@ -1,11 +1,14 @@
-"""The EAGLE-3 target contract: supervision batch, aux-layer rules, shift, and the base backend.
+"""The engine seam and the engine-agnostic EAGLE-3 target backend built on it.
 
 Every target backend (transformers, vLLM, a remote pool) returns the same `Eagle3TargetBatch` for
 the same micro-batch. What differs between engines is only how the *unshifted* hidden states are
-produced; that part is a `TargetRunner`. Everything that must agree across engines -- which layers,
-how rows are shifted, how the target distribution is encoded -- lives here, once.
+produced; that part is a `TargetRunner`. `RunnerEagle3TargetModel` owns everything that must agree
+across engines -- input checks, the shift, the encodings, the self-check -- by calling the modules
+that hold each rule once: `target_batch` (the record and input checks), `aux_layers` (layer ids),
+`shift`, `supervision` (draft vocabulary). The contract is written down in `docs/contract.md`.
 
-This module imports neither Ray nor vLLM.
+This module imports neither Ray nor vLLM. It re-exports the contract's public names, so
+`from eagle_ray.target_runner import Eagle3TargetBatch` and friends keep working.
 
 Example:
     >>> from eagle_ray.hf_target import HFEagle3TargetModel
@@ -18,304 +21,35 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import logging
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 from torch import nn
 
+from eagle_ray.aux_layers import (
+    default_eagle3_aux_layer_ids,
+    resolve_eagle3_aux_layer_ids,
+    validate_eagle3_aux_layer_ids,
+    vllm_capture_layer_ids,
+)
+from eagle_ray.shift import next_position_mask, shift_supervision
 from eagle_ray.supervision import DraftVocab, draft_target_from_hidden
+from eagle_ray.target_batch import (
+    ENCODINGS,
+    NUM_AUX_LAYERS,
+    Eagle3TargetBatch,
+    Encoding,
+    validate_micro_batch,
+)
 from eagle_ray.target_head import TargetHead
 
-logger = logging.getLogger(__name__)
-
-NUM_AUX_LAYERS = 3
-Encoding = Literal["logits", "last_hidden", "target_probs"]
-ENCODINGS: tuple[str, ...] = ("logits", "last_hidden", "target_probs")
-
-
-# --------------------------------------------------------------------------- aux layer ids
-
-
-def default_eagle3_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's low / middle / high layers in the post-layer convention: `[1, N//2 - 1, N - 4]`.
-
-    Id `k` is the residual stream *after* decoder layer `k` (HF `output_hidden_states[k + 1]`).
-    """
-    ids = [1, num_layers // 2 - 1, num_layers - 4]
-    if not (0 <= ids[0] < ids[1] < ids[2] < num_layers):
-        raise ValueError(
-            f"a target with {num_layers} decoder layers is too shallow for the default EAGLE-3 aux "
-            f"layers [1, N//2-1, N-4] = {ids}; pass aux_layer_ids explicitly: three distinct, "
-            f"ascending layer ids in [0, {num_layers})"
-        )
-    return ids
-
-
-def validate_eagle3_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
-    """Check canonical (post-layer) aux ids: three distinct ints in `[0, N)`, ascending."""
-    ids = list(ids)
-    if len(ids) != NUM_AUX_LAYERS:
-        raise ValueError(
-            f"EAGLE-3 needs exactly {NUM_AUX_LAYERS} aux layer ids, got {len(ids)}: {ids}; "
-            f"pass three (the default for this target is "
-            f"{_default_or_none(num_layers)})"
-        )
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise TypeError(f"aux layer ids must be ints, got {ids!r}")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"aux layer ids must be distinct, got {ids}")
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(
-            f"aux layer ids {bad} are outside [0, {num_layers}) for a target with {num_layers} "
-            f"decoder layers (id k = output of decoder layer k, 0-based; the embedding is not a "
-            f"layer)"
-        )
-    if ids != sorted(ids):
-        raise ValueError(
-            f"aux layer ids must be ascending (the aux states are concatenated in layer order), "
-            f"got {ids}; pass {sorted(ids)}"
-        )
-    return ids
-
-
-def resolve_eagle3_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> list[int]:
-    """The given ids validated, or the default ones when `ids` is None (what every backend does
-    before it builds its engine)."""
-    if ids is None:
-        return default_eagle3_aux_layer_ids(num_layers)
-    return validate_eagle3_aux_layer_ids(ids, num_layers)
-
-
-def _default_or_none(num_layers: int) -> list[int] | None:
-    try:
-        return default_eagle3_aux_layer_ids(num_layers)
-    except ValueError:
-        return None
-
-
-def vllm_capture_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """Translate canonical ids to vLLM's pre-layer `extract_hidden_states` ids.
-
-    vLLM's id `j` is the stream *entering* layer `j`, so canonical `k` is `k + 1`; the extra id `N`
-    is the final hidden state before the final norm (our `last_hidden`). Canonical `N - 1` would be
-    captured twice under one id, which vLLM deduplicates, so it is refused.
-    """
-    ids = validate_eagle3_aux_layer_ids(aux_layer_ids, num_layers)
-    if num_layers - 1 in ids:
-        raise ValueError(
-            f"aux layer id {num_layers - 1} (the last decoder layer) collides with the final "
-            f"hidden state that the vLLM backend captures as id {num_layers}; choose ids below "
-            f"{num_layers - 1}"
-        )
-    return [i + 1 for i in ids] + [num_layers]
-
-
-# --------------------------------------------------------------------------- the batch
-
-
-@dataclasses.dataclass
-class Eagle3TargetBatch:
-    """Supervision for one micro-batch, already shifted (DESIGN §2.2).
-
-    Shapes: `aux_hidden_states [B, S, 3H]`; `input_ids`, `attention_mask`, `loss_mask [B, S]`;
-    exactly one target encoding: `logits [B, S, V]`, `last_hidden [B, S, H]` (pre-norm; apply
-    the `TargetHead`), or `target_probs [B, S, V_draft]` with `position_mask [B, S]`.
-    Slots without a next position (padding, each row's last token) hold zeros.
-    """
-
-    aux_hidden_states: torch.Tensor
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    loss_mask: torch.Tensor
-    logits: torch.Tensor | None = None
-    last_hidden: torch.Tensor | None = None
-    target_probs: torch.Tensor | None = None
-    position_mask: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        self._validate()
-
-    @property
-    def encoding(self) -> str:
-        for name in ENCODINGS:
-            if getattr(self, name) is not None:
-                return name
-        raise AssertionError("unreachable: validated on construction")
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The fields that are set, by name (what a transport moves)."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) is not None
-        }
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-    def to(self, device: torch.device | str) -> Eagle3TargetBatch:
-        return Eagle3TargetBatch(**{k: v.to(device) for k, v in self.tensors().items()})
-
-    def _validate(self) -> None:
-        aux = self.aux_hidden_states
-        _require(aux.dim() == 3 and aux.is_floating_point(), "aux_hidden_states",
-                 f"a float tensor [B, S, 3H], got {_describe(aux)}")
-        batch, seq, width = aux.shape
-        _require(width % NUM_AUX_LAYERS == 0, "aux_hidden_states",
-                 f"a last dimension divisible by {NUM_AUX_LAYERS}, got {width}")
-        hidden = width // NUM_AUX_LAYERS
-        for name in ("input_ids", "attention_mask", "loss_mask"):
-            t = getattr(self, name)
-            _require(t.shape == (batch, seq) and not t.is_floating_point(), name,
-                     f"an integer or bool tensor [{batch}, {seq}], got {_describe(t)}")
-        encodings = [n for n in ENCODINGS if getattr(self, n) is not None]
-        if len(encodings) != 1:
-            raise ValueError(
-                f"an Eagle3TargetBatch carries exactly one target encoding out of {ENCODINGS}, "
-                f"got {encodings or 'none'}"
-            )
-        encoding = encodings[0]
-        value = getattr(self, encoding)
-        _require(value.dim() == 3 and value.shape[:2] == (batch, seq)
-                 and value.is_floating_point(), encoding,
-                 f"a float tensor [{batch}, {seq}, ...], got {_describe(value)}")
-        if encoding == "last_hidden":
-            _require(value.shape[2] == hidden, "last_hidden",
-                     f"hidden size {hidden} (a third of aux_hidden_states), got {value.shape[2]}")
-        if encoding == "target_probs":
-            pm = self.position_mask
-            _require(pm is not None and pm.shape == (batch, seq) and pm.dtype == torch.bool,
-                     "position_mask", f"a bool tensor [{batch}, {seq}] alongside target_probs, "
-                     f"got {_describe(pm)}")
-        elif self.position_mask is not None:
-            raise ValueError("position_mask goes only with the target_probs encoding")
-
-
-def _require(ok: bool, name: str, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {expected}")
-
-
-def _describe(t: torch.Tensor | None) -> str:
-    return "None" if t is None else f"{t.dtype} of shape {list(t.shape)}"
-
-
-# --------------------------------------------------------------------------- input checks
-
-
-def validate_micro_batch(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    vocab_size: int,
-    max_length: int | None = None,
-) -> None:
-    """Reject a micro-batch that no backend could serve, saying what is wrong and what to do.
-
-    Called before anything reaches an engine (and by the pool client before anything travels).
-    """
-    for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask),
-                    ("loss_mask", loss_mask)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise TypeError(
-            f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; "
-            f"convert with input_ids.long()"
-        )
-    if input_ids.dim() != 2:
-        raise ValueError(
-            f"input_ids must be 2-D [batch, seq], got shape {list(input_ids.shape)}; "
-            f"for a single row use input_ids.unsqueeze(0)"
-        )
-    if input_ids.numel() == 0:
-        raise ValueError(f"empty micro-batch: input_ids has shape {list(input_ids.shape)}")
-    for name, mask in (("attention_mask", attention_mask), ("loss_mask", loss_mask)):
-        if mask.shape != input_ids.shape:
-            raise ValueError(
-                f"{name} shape {list(mask.shape)} does not match input_ids shape "
-                f"{list(input_ids.shape)}"
-            )
-        if mask.is_floating_point() or mask.is_complex():
-            raise TypeError(f"{name} must be an integer or bool tensor, got {mask.dtype}")
-        if not torch.all((mask == 0) | (mask == 1)):
-            raise ValueError(f"{name} must hold only 0 and 1")
-    attended = attention_mask.bool()
-    lengths = attended.sum(dim=1)
-    if torch.any(lengths == 0):
-        rows = torch.nonzero(lengths == 0).flatten().tolist()
-        raise ValueError(f"rows {rows} have no tokens (attention_mask all zero); drop them")
-    right_padded = torch.arange(input_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    if not torch.equal(right_padded, attended):
-        raise ValueError(
-            "attention_mask must be right-padded (each row: ones, then zeros); left padding or "
-            "holes are not supported -- re-pad the rows on the right"
-        )
-    if torch.any(loss_mask.bool() & ~attended):
-        raise ValueError("loss_mask is set on padding slots (where attention_mask is 0)")
-    ids = input_ids[attended]
-    if torch.any(ids < 0) or torch.any(ids >= vocab_size):
-        bad = ids[(ids < 0) | (ids >= vocab_size)]
-        raise ValueError(
-            f"token ids must be in [0, {vocab_size}) (the target's vocabulary), found "
-            f"{sorted(set(bad.tolist()))[:8]}; was the data tokenized with the target's tokenizer?"
-        )
-    if max_length is not None and int(lengths.max()) > max_length:
-        raise ValueError(
-            f"a row has {int(lengths.max())} tokens but the target accepts at most {max_length}; "
-            f"truncate or filter longer rows"
-        )
-
-
-# --------------------------------------------------------------------------- shift
-
-
-def next_position_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """`[B, S]` bool: slot `t` has a position `t + 1` in its row (so it carries a target)."""
-    valid = attention_mask.bool()
-    has_next = torch.zeros_like(valid)
-    has_next[:, :-1] = valid[:, 1:]
-    return has_next
-
-
-def shift_supervision(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    loss_mask: torch.Tensor,
-    aux_hidden_states: torch.Tensor,
-    last_hidden: torch.Tensor,
-) -> dict[str, torch.Tensor]:
-    """Apply DESIGN §2.2 to unshifted runner output.
-
-    Slot `t` pairs the aux states at position `t` with token `x[t+1]` and the target's state at
-    `t+1`; slots without a position `t+1` in their row are zeroed, so every backend agrees on
-    every slot (not only unpadded ones). `aux_hidden_states` (the largest tensor, owned by the
-    caller's runner output) is zeroed at padding in place rather than copied.
-    """
-    valid = attention_mask.bool()
-    has_next = next_position_mask(attention_mask)
-
-    def shift_left(x: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        out[:, :-1] = x[:, 1:]
-        mask = has_next if x.dim() == 2 else has_next.unsqueeze(-1)
-        return out.masked_fill_(~mask, 0)
-
-    return {
-        "aux_hidden_states": aux_hidden_states.masked_fill_(~valid.unsqueeze(-1), 0),
-        "input_ids": shift_left(input_ids.long()),
-        "attention_mask": attention_mask.long(),
-        "loss_mask": shift_left(loss_mask.long()),
-        "last_hidden": shift_left(last_hidden),
-    }
-
-
-# --------------------------------------------------------------------------- the base backend
+__all__ = [
+    "ENCODINGS", "NUM_AUX_LAYERS", "Eagle3TargetBatch", "Encoding", "RunnerEagle3TargetModel",
+    "RunnerOutput", "SelfCheckError", "TargetRunner", "check_greedy_tokens",
+    "default_eagle3_aux_layer_ids", "next_position_mask", "resolve_eagle3_aux_layer_ids",
+    "shift_supervision", "validate_eagle3_aux_layer_ids", "validate_micro_batch",
+    "vllm_capture_layer_ids",
+]
 
 
 @dataclasses.dataclass
@@ -397,7 +131,7 @@ class RunnerEagle3TargetModel:
         *,
         encoding: Encoding | None = None,
     ) -> Eagle3TargetBatch:
-        """Supervision for one right-padded micro-batch, shifted per DESIGN §2.2."""
+        """Supervision for one right-padded micro-batch, shifted (docs/contract.md, "Shift")."""
         encoding = _check_encoding(encoding or self.encoding, self.draft_vocab)
         if loss_mask is None:
             loss_mask = attention_mask

@@ -1,185 +1,18 @@
-"""Tiny-model kit: a small random target with a locally trained tokenizer, and a chat data set.
-
-Nothing can be downloaded on the machines this project is tested on, so tests, the demo and the
-benchmarks build their target here: deterministic (same seed, same files), cached on disk, and
-shaped so that vLLM's CPU kernels accept it (head_dim 64) and the default aux ids are valid.
+"""Test doubles and inputs for tests and benchmarks that are *about something other than the
+engine* (the pool's routing, failures and scaling): a fixed-latency synthetic backend whose output
+is a checkable function of its input, and random micro-batches. The built-in tiny target that the
+main job uses is `eagle_ray.tiny`.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import random
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from eagle_ray.target_head import TargetHead
 from eagle_ray.target_runner import RunnerEagle3TargetModel, RunnerOutput, TargetRunner
-
-logger = logging.getLogger(__name__)
-
-KIT_VERSION = 2  # bump when anything below changes what gets built
-ARCHITECTURES = ("llama", "qwen3")
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>",
-                  "<|end|>"]
-# Assistant turns sit inside {% generation %} so `return_assistant_tokens_mask` marks them.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "<|assistant|>\n{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}\n"
-    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-LM_HEAD_STD = 0.3
-
-_COUNTRIES = {
-    "France": "Paris", "Japan": "Tokyo", "Peru": "Lima", "Kenya": "Nairobi", "Canada": "Ottawa",
-    "Norway": "Oslo", "Egypt": "Cairo", "Chile": "Santiago", "India": "New Delhi",
-    "Spain": "Madrid", "Ghana": "Accra", "Nepal": "Kathmandu",
-}
-_COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white"]
-_THINGS = ["apple", "car", "house", "river", "book", "garden", "bridge", "lamp", "chair"]
-_NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
-
-
-def cache_root() -> Path:
-    """Where built models and data go: `$EAGLE_RAY_CACHE`, else `~/.cache/eagle_ray`."""
-    return Path(os.environ.get("EAGLE_RAY_CACHE", Path.home() / ".cache" / "eagle_ray"))
-
-
-def generate_chat_samples(num_samples: int, seed: int = 0) -> list[dict]:
-    """Deterministic chat samples in the `messages` format (system / user / assistant turns)."""
-    rng = random.Random(seed)
-    samples = []
-    for _ in range(num_samples):
-        kind = rng.randrange(3)
-        if kind == 0:
-            country = rng.choice(sorted(_COUNTRIES))
-            question = f"What is the capital of {country}?"
-            answer = f"The capital of {country} is {_COUNTRIES[country]}."
-        elif kind == 1:
-            a, b = rng.randrange(6), rng.randrange(5)
-            question = f"What is {_NUMBERS[a]} plus {_NUMBERS[b]}?"
-            answer = f"{_NUMBERS[a].capitalize()} plus {_NUMBERS[b]} is {_NUMBERS[a + b]}."
-        else:
-            colour, thing = rng.choice(_COLOURS), rng.choice(_THINGS)
-            question = f"Describe a {colour} {thing} in one sentence."
-            answer = (f"The {colour} {thing} stands out, and everyone who sees the {thing} "
-                      f"remembers that it was {colour}.")
-        samples.append({"messages": [
-            {"role": "system", "content": "You are a concise assistant."},
-            {"role": "user", "content": question},
-            {"role": "assistant", "content": answer},
-        ]})
-    return samples
-
-
-def write_chat_dataset(path: str | Path, num_samples: int = 256, seed: int = 0) -> Path:
-    """Write `generate_chat_samples` as JSONL (one `{"messages": [...]}` per line)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for sample in generate_chat_samples(num_samples, seed):
-            f.write(json.dumps(sample) + "\n")
-    return path
-
-
-def tiny_chat_dataset(num_samples: int = 256, seed: int = 0) -> Path:
-    """The cached tiny chat data set (built on first use)."""
-    path = cache_root() / f"data-v{KIT_VERSION}" / f"chat-{num_samples}-{seed}.jsonl"
-    if not path.exists():
-        with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
-            _atomic_place(write_chat_dataset(Path(tmp) / path.name, num_samples, seed), path)
-    return path
-
-
-def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
-    """A byte-level BPE tokenizer trained on generated chat text, with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    text = []
-    for sample in generate_chat_samples(2000, seed):
-        text.extend(m["content"] for m in sample["messages"])
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tokenizer.train_from_iterator(text, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<|bos|>", eos_token="<|eos|>",
-        pad_token="<|pad|>", chat_template=CHAT_TEMPLATE,
-    )
-
-
-def tiny_target_config(arch: str, vocab_size: int, num_layers: int = 8):
-    """Config of the tiny target: hidden 128, 2 heads of dim 64, `num_layers` layers."""
-    from transformers import LlamaConfig, Qwen3Config
-
-    common = dict(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-        max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0,
-        # Wider than the usual 0.02 so the random target has peaked, non-tied next-token choices.
-        initializer_range=0.08,
-    )
-    if arch == "llama":
-        return LlamaConfig(**common)
-    if arch == "qwen3":
-        return Qwen3Config(**common)
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES}")
-
-
-def build_tiny_target(path: str | Path, arch: str = "llama", num_layers: int = 8,
-                      seed: int = 0) -> Path:
-    """Build the tiny target (random fp32 weights, seeded) and its tokenizer into `path`."""
-    from transformers import AutoModelForCausalLM
-
-    path = Path(path)
-    tokenizer = build_tokenizer(seed=seed)
-    config = tiny_target_config(arch, len(tokenizer), num_layers)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # A wide head makes the random target's next-token distributions peaked, as a trained LM's
-    # are (logit std ~3.4 instead of ~0.9), so drafts have something sharp to learn.
-    model.get_output_embeddings().weight.data.normal_(0.0, LM_HEAD_STD)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def tiny_target(arch: str = "llama", num_layers: int = 8) -> Path:
-    """Path of the cached tiny target of `arch` (built on first use, then reused)."""
-    path = cache_root() / f"tiny-v{KIT_VERSION}" / f"{arch}-{num_layers}l"
-    if not (path / "config.json").exists():
-        logger.info("building tiny %s target at %s", arch, path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            _atomic_place(build_tiny_target(Path(tmp) / "model", arch, num_layers), path)
-    return path
-
-
-def _atomic_place(built: Path, final: Path) -> None:
-    """Move a freshly built file or folder into place unless a concurrent builder won the race."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(built, final)
-    except OSError:
-        if not final.exists():
-            raise
-        shutil.rmtree(built, ignore_errors=True) if built.is_dir() else built.unlink()
 
 
 def random_micro_batch(vocab_size: int, lengths: tuple[int, ...] = (17, 9, 30, 4), seed: int = 0):

@@ -23,66 +23,11 @@ from typing import Any
 import ray
 import torch
 
-from eagle_ray.config import ConfigError, to_dict
-from eagle_ray.pool.config import ClientConfig, PoolConfig
+from eagle_ray.config import ClientConfig, ConfigError, JobConfig, TrainConfig, from_dict, to_dict
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "draft_state.pt"
-
-
-@dataclasses.dataclass
-class DataConfig:
-    path: str | None = None  # chat JSONL ({"messages": [...]}); None: generated tiny chat data
-    num_samples: int = 320  # generated data only
-    max_length: int = 256  # longer conversations are dropped (and counted)
-    micro_batch_size: int = 8
-    draft_vocab_size: int = 256
-    eval_samples: int = 16  # the last N conversations are held out for evaluation
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    workers: int = 2
-    use_gpu: bool = False
-    cpus_per_worker: float = 1.0
-    # Custom resources per worker, e.g. {trainer_node: 1} to keep trainers off target GPUs.
-    worker_resources: dict[str, float] = dataclasses.field(default_factory=dict)
-    steps: int = 200
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    ttt_steps: int = 3
-    prefetch: int = 4  # micro-batches each worker keeps in flight at the pool
-    checkpoint_every: int = 50
-    log_every: int = 10
-    seed: int = 0
-    intermediate_size: int | None = None  # draft MLP width; None: the target's
-
-
-@dataclasses.dataclass
-class EvalConfig:
-    enabled: bool = True
-    prompts: int = 8  # held-out prompts
-    max_new_tokens: int = 32
-    num_speculative_tokens: int = 3
-    vllm: bool = True  # also measure acceptance with vLLM serving the exported draft
-
-
-@dataclasses.dataclass
-class JobConfig:
-    """`eagle-ray train --config FILE [key=value ...]`; every key is in the README."""
-
-    target: PoolConfig = dataclasses.field(default_factory=PoolConfig)
-    use_shared_pool: bool = False  # join a pool started with `eagle-ray serve` (target.name)
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
-    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
-    output_dir: str = "runs/tiny"
-    run_name: str = "eagle3-draft"
-    storage_path: str | None = None  # Ray Train storage (shared storage on clusters)
-    ray_address: str | None = None  # None: RAY_ADDRESS or a running local cluster, else a new one
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -101,7 +46,7 @@ def run_job(config: JobConfig) -> dict[str, Any]:
         tokenize_chats,
     )
     from eagle_ray.pool import TargetPool
-    from eagle_ray.testing import generate_chat_samples, tiny_target
+    from eagle_ray.tiny import generate_chat_samples, tiny_target
 
     check_paths(config)
     output_dir = Path(config.output_dir).resolve()
@@ -207,13 +152,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     from tqdm import tqdm
     from transformers import AutoConfig
 
+    from eagle_ray.aux_layers import resolve_eagle3_aux_layer_ids
     from eagle_ray.checkpoint import load_embedding_and_head
-    from eagle_ray.config import from_dict
     from eagle_ray.draft.export import export_draft
     from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
     from eagle_ray.pool import PoolClient
     from eagle_ray.supervision import DraftVocab, draft_target
-    from eagle_ray.target_runner import resolve_eagle3_aux_layer_ids
 
     job = from_dict(JobConfig, loop_config["job"])
     train = job.train

@@ -1,51 +1,50 @@
 """vLLM KV-connector plug-in that hands captured hidden states back without a disk round trip.
 
-This module is a vLLM plug-in: vLLM imports it by path (`kv_connector_module_path`) inside the
-processes that run its scheduler and workers and looks the class up by name. The class is defined
-on that lookup (module `__getattr__`), so importing this module does not import vLLM.
-`eagle_ray.vllm_runner` names it in the engine config.
+This module is a vLLM plug-in and is loaded only by vLLM: `eagle_ray.vllm_runner` names it in the
+engine config (`kv_connector_module_path` + the class name), and vLLM imports it inside the
+processes that run its scheduler and workers. It is the one eagle_ray module that imports vLLM at
+load time; nothing in eagle_ray imports it.
 
 vLLM's `extract_hidden_states` speculative method writes the requested hidden states of every
 prompt token into a cache-only KV layer. When a request finishes, the scheduler side
 (`request_finished`) keeps its blocks alive and queues a save; on the next engine step the worker
-side (`get_finished`) gathers the request's `[num_tokens, num_ids, H]` states from those blocks and
-publishes them through a `Handoff`:
+side (`get_finished` -> `_submit_async_write`) gathers the request's `[num_tokens, num_ids, H]`
+states from those blocks and publishes them through the engine's `eagle_ray.vllm_handoff.Handoff`
+(a dictionary in this process, or files in `/dev/shm`). Only TP rank 0 publishes. On CPU the gather
+is synchronous; on GPU it is an asynchronous copy to pinned memory on a side stream, and the blocks
+are released only once that copy is done.
 
-- "inprocess": a dictionary in this process (the worker runs in the caller's process: engine core
-  in-process and TP = 1); no copy beyond the gather out of the KV cache.
-- "shm": one file per request in `/dev/shm` (RAM), written then renamed so readers never see a
-  partial tensor; for engine cores and TP workers in other processes.
-- "file": the same under a directory of the user's choice (explicit opt-in).
+vLLM internals this relies on (read from vllm 0.32.0, `vllm/distributed/kv_transfer/kv_connector/
+v1/example_hidden_states_connector.py`; check them on every vLLM upgrade):
 
-Only TP rank 0 publishes. On CPU the gather is synchronous; on GPU it is an asynchronous copy to
-pinned memory on a side stream, and the blocks are released only once that copy is done.
+- module members `ExampleHiddenStatesConnector`, `PendingSave` (`req_id`, `block_ids`,
+  `token_ids`) and `extract_from_kv_cache(kv_cache, slots, num_tokens)`;
+- the base class's private hook `_submit_async_write(pending)`, called by `get_finished` once per
+  finished request on the worker, and its state: `_kv_transfer_config`, `_is_tp_rank_zero`,
+  `_kv_cache`, `_block_size`, `_req_copy_events` (polled with `.query()`), `_req_futures`,
+  `_executor`, `_get_copy_stream()`, `_on_write_done(req_id, future)`, and `use_lock`;
+- `request_finished(request, block_ids) -> (delay_free, kv_transfer_params)`, whose params reach
+  the caller as `RequestOutput.kv_transfer_params`.
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+    PendingSave,
+    extract_from_kv_cache,
+)
 
-from eagle_ray.vllm_handoff import PARAMS_KEY, handoff_key, publish
+from eagle_ray.vllm_handoff import PARAMS_KEY, handoff_from_config, handoff_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-CONNECTOR_CLASS = "EagleRayHiddenStatesConnector"
-
-
-def __getattr__(name: str) -> Any:
-    """vLLM's connector factory does `getattr(module, CONNECTOR_CLASS)`: define it then."""
-    if name == CONNECTOR_CLASS:
-        connector = _define_connector()
-        globals()[name] = connector
-        return connector
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _Done:
@@ -56,89 +55,81 @@ class _Done:
         return True
 
 
-def _define_connector() -> type:
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-        ExampleHiddenStatesConnector,
-        PendingSave,
-        extract_from_kv_cache,
-    )
+class EagleRayHiddenStatesConnector(ExampleHiddenStatesConnector):
+    """Store-only connector: publishes each finished request's hidden states.
 
-    class EagleRayHiddenStatesConnector(ExampleHiddenStatesConnector):
-        """Store-only connector: publishes each finished request's hidden states.
+    Configured through `kv_connector_extra_config`: `handoff` (a `Handoff.to_config()`
+    dictionary) and `engine_tag` (keeps keys of engines on one host apart). Reuses vLLM's example
+    connector for block bookkeeping; overrides only where the data goes.
+    """
 
-        Configured through `kv_connector_extra_config`: `handoff` ("inprocess" | "shm" |
-        "file"), `handoff_dir` (for "shm"/"file") and `engine_tag` (keeps keys of engines on one
-        host apart). Reuses vLLM's example connector for block bookkeeping; overrides only where
-        the data goes.
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.get_from_extra_config
+        handoff = extra("handoff", None)
+        if handoff is None:
+            raise ValueError(f"{type(self).__name__} needs kv_connector_extra_config['handoff'] "
+                             f"(eagle_ray.vllm_runner sets it); build the engine through "
+                             f"VLLMEagle3TargetModel")
+        self._handoff = handoff_from_config(handoff)
+        self._engine_tag = extra("engine_tag", "default")
+        self.use_lock = False  # readers wait for the hand-off, not for a file lock
+
+    # Scheduler side --------------------------------------------------------------------------
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Called by the scheduler once per finished request, before its blocks are freed.
+
+        Keeps the blocks until the worker has gathered the states, and tells the caller the key
+        they will be published under (it arrives in `RequestOutput.kv_transfer_params`).
         """
+        delay, params = super().request_finished(request, block_ids)
+        if params is None:
+            return delay, None
+        return delay, {PARAMS_KEY: handoff_key(self._engine_tag, request.request_id)}
 
-        def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                     kv_cache_config: KVCacheConfig) -> None:
-            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-            extra = self._kv_transfer_config.get_from_extra_config
-            self._handoff = extra("handoff", "shm")
-            self._handoff_dir = extra("handoff_dir", "/dev/shm")
-            self._engine_tag = extra("engine_tag", "default")
-            self.use_lock = False  # readers wait for the rename, not for a file lock
-            if self._handoff != "inprocess":
-                os.makedirs(self._handoff_dir, exist_ok=True)
+    # Worker side -----------------------------------------------------------------------------
 
-        # Scheduler side ----------------------------------------------------------------------
+    def _submit_async_write(self, pending: PendingSave) -> None:
+        """Called by `get_finished` on the worker per finished request: gather, publish."""
+        if not self._is_tp_rank_zero:
+            return
+        assert self._kv_cache is not None
+        block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
+        offsets = torch.arange(self._block_size, dtype=torch.long)
+        slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()
+        num_tokens = pending.token_ids.shape[0]
+        key = handoff_key(self._engine_tag, pending.req_id)
+        if self._kv_cache.device.type == "cpu":
+            states = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
+            self._handoff.publish(key, states)
+            self._req_copy_events[pending.req_id] = _Done()
+            return
+        self._submit_device_copy(pending.req_id, key, slots, num_tokens)
 
-        def request_finished(self, request: Request,
-                             block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-            """Called by the scheduler once per finished request, before its blocks are freed.
+    def _submit_device_copy(self, req_id: str, key: str, slots: torch.Tensor,
+                            num_tokens: int) -> None:
+        """GPU: async device-to-host copy on a side stream; publish once it has landed."""
+        stream = self._get_copy_stream()
+        ready = torch.cuda.Event()
+        ready.record()
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            gathered = extract_from_kv_cache(
+                self._kv_cache, slots.to(self._kv_cache.device, non_blocking=True), num_tokens
+            )
+            host = torch.empty_like(gathered, device="cpu", pin_memory=True)
+            host.copy_(gathered, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+        self._req_copy_events[req_id] = copied
 
-            Keeps the blocks until the worker has gathered the states, and tells the caller the key
-            they will be published under (it arrives in `RequestOutput.kv_transfer_params`).
-            """
-            delay, params = super().request_finished(request, block_ids)
-            if params is None:
-                return delay, None
-            return delay, {PARAMS_KEY: handoff_key(self._engine_tag, request.request_id)}
+        def finish() -> None:
+            copied.synchronize()
+            self._handoff.publish(key, host)
 
-        # Worker side -------------------------------------------------------------------------
-
-        def _submit_async_write(self, pending: PendingSave) -> None:
-            """Called by `get_finished` on the worker per finished request: gather, publish."""
-            if not self._is_tp_rank_zero:
-                return
-            assert self._kv_cache is not None
-            block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
-            offsets = torch.arange(self._block_size, dtype=torch.long)
-            slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()
-            num_tokens = pending.token_ids.shape[0]
-            key = handoff_key(self._engine_tag, pending.req_id)
-            if self._kv_cache.device.type == "cpu":
-                states = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
-                publish(self._handoff, self._handoff_dir, key, states)
-                self._req_copy_events[pending.req_id] = _Done()
-                return
-            self._submit_device_copy(pending.req_id, key, slots, num_tokens)
-
-        def _submit_device_copy(self, req_id: str, key: str, slots: torch.Tensor,
-                                num_tokens: int) -> None:
-            """GPU: async device-to-host copy on a side stream; publish once it has landed."""
-            stream = self._get_copy_stream()
-            ready = torch.cuda.Event()
-            ready.record()
-            stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                gathered = extract_from_kv_cache(
-                    self._kv_cache, slots.to(self._kv_cache.device, non_blocking=True), num_tokens
-                )
-                host = torch.empty_like(gathered, device="cpu", pin_memory=True)
-                host.copy_(gathered, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(stream)
-            self._req_copy_events[req_id] = copied
-
-            def finish() -> None:
-                copied.synchronize()
-                publish(self._handoff, self._handoff_dir, key, host)
-
-            future = self._executor.submit(finish)
-            self._req_futures[req_id] = future
-            future.add_done_callback(lambda f, r=req_id: self._on_write_done(r, f))
-
-    return EagleRayHiddenStatesConnector
+        future = self._executor.submit(finish)
+        self._req_futures[req_id] = future
+        future.add_done_callback(lambda f, r=req_id: self._on_write_done(r, f))

@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-from eagle_ray import vllm_handoff
 from eagle_ray.target_runner import RunnerOutput, TargetRunner
-from eagle_ray.vllm_connector import CONNECTOR_CLASS
+from eagle_ray.vllm_handoff import PARAMS_KEY, Handoff, choose_handoff, handoff_key
 
 logger = logging.getLogger(__name__)
 
+# The KV-connector plug-in that vLLM loads by module path (it imports vLLM: named, not imported).
 CONNECTOR_MODULE = "eagle_ray.vllm_connector"
+CONNECTOR_CLASS = "EagleRayHiddenStatesConnector"
 # Set by the runner itself; passing them in vllm_kwargs would silently break the capture.
 OWNED_KWARGS = ("model", "speculative_config", "kv_transfer_config", "skip_tokenizer_init")
 # Defaults that work on a small CPU machine; any key in vllm_kwargs wins.
@@ -85,7 +86,7 @@ class VLLMTargetRunner(TargetRunner):
     aux layers, the last is the final pre-norm hidden state. `multiprocess` chooses where the
     engine core runs (default: in this process when `tp_size == 1`, which starts faster and hands
     states over through a dictionary); `handoff` is "inprocess", "shm" or "file" (default: the
-    cheapest that works for the process layout).
+    cheapest that works for the process layout), turned into a `Handoff` here, once.
     """
 
     def __init__(
@@ -117,18 +118,10 @@ class VLLMTargetRunner(TargetRunner):
         self.dtype = dtype
         self.is_cpu = current_platform.is_cpu()
         self.multiprocess = (tp_size > 1) if multiprocess is None else multiprocess
-        self.handoff = handoff or ("shm" if self.multiprocess or tp_size > 1 else "inprocess")
-        if self.handoff not in vllm_handoff.HANDOFF_MODES:
-            raise ValueError(f"unknown handoff {self.handoff!r}; choose one of "
-                             f"{vllm_handoff.HANDOFF_MODES}")
-        if self.handoff == "inprocess" and (self.multiprocess or tp_size > 1):
-            raise ValueError("handoff='inprocess' needs the engine core and its only worker in "
-                             "this process (multiprocess=False, tp_size=1); use 'shm'")
-        if self.handoff == "file" and not handoff_dir:
-            raise ValueError("handoff='file' needs handoff_dir (a directory to write into)")
-        self.handoff_dir = handoff_dir or vllm_handoff.SHM_DIR
+        self.handoff: Handoff = choose_handoff(
+            handoff, same_process=not self.multiprocess and tp_size == 1, directory=handoff_dir)
         self.engine_tag = uuid.uuid4().hex[:12]
-        self._key_prefix = vllm_handoff.handoff_key(self.engine_tag, "")
+        self.key_prefix = handoff_key(self.engine_tag, "")  # every key this engine publishes
 
         engine_kwargs = {**(CPU_DEFAULTS if self.is_cpu else GPU_DEFAULTS), **vllm_kwargs}
         engine_kwargs.update(
@@ -149,8 +142,7 @@ class VLLMTargetRunner(TargetRunner):
                 "kv_connector_module_path": CONNECTOR_MODULE,
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {
-                    "handoff": self.handoff,
-                    "handoff_dir": self.handoff_dir,
+                    "handoff": self.handoff.to_config(),
                     "engine_tag": self.engine_tag,
                 },
             },
@@ -158,8 +150,7 @@ class VLLMTargetRunner(TargetRunner):
         self.llm = self._build_engine(engine_kwargs, tp_size)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         # Drop anything a crashed call left behind when this runner goes away.
-        self._finalizer = weakref.finalize(self, vllm_handoff.discard, self.handoff,
-                                           self.handoff_dir, self._key_prefix)
+        self._finalizer = weakref.finalize(self, self.handoff.discard, self.key_prefix)
 
     def _build_engine(self, engine_kwargs: dict[str, Any], tp_size: int):
         if not self.multiprocess:
@@ -180,7 +171,7 @@ class VLLMTargetRunner(TargetRunner):
         self.start_seconds = time.perf_counter() - started
         logger.info("vLLM engine up in %.1fs (capture ids %s, tp=%d, %s engine core, %s hand-off)",
                     self.start_seconds, self.capture_ids, tp_size,
-                    "multiprocess" if self.multiprocess else "in-process", self.handoff)
+                    "multiprocess" if self.multiprocess else "in-process", self.handoff.to_config())
         return llm
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RunnerOutput:
@@ -192,7 +183,7 @@ class VLLMTargetRunner(TargetRunner):
                    for row, n in zip(input_ids, lengths, strict=True)]
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        keys = [(o.kv_transfer_params or {}).get(vllm_handoff.PARAMS_KEY) for o in outputs]
+        keys = [(o.kv_transfer_params or {}).get(PARAMS_KEY) for o in outputs]
         try:
             if not self.multiprocess:
                 self._drain()
@@ -200,7 +191,7 @@ class VLLMTargetRunner(TargetRunner):
         except BaseException:
             for key in keys:
                 if key is not None:
-                    vllm_handoff.discard(self.handoff, self.handoff_dir, key)
+                    self.handoff.discard(key)
             raise
         return self._pad(states, input_ids.shape, outputs)
 
@@ -225,7 +216,7 @@ class VLLMTargetRunner(TargetRunner):
         deadline = time.monotonic() + HANDOFF_TIMEOUT_S
         delay = 1e-4
         while True:
-            states = vllm_handoff.take(self.handoff, self.handoff_dir, key, shape, self.dtype)
+            states = self.handoff.take(key, shape, self.dtype)
             if states is not None:
                 break
             if time.monotonic() > deadline:

@@ -13,14 +13,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
+from eagle_ray.aux_layers import resolve_eagle3_aux_layer_ids, vllm_capture_layer_ids
 from eagle_ray.checkpoint import load_embedding_and_head, resolve_dtype
 from eagle_ray.supervision import DraftVocab
-from eagle_ray.target_runner import (
-    Encoding,
-    RunnerEagle3TargetModel,
-    resolve_eagle3_aux_layer_ids,
-    vllm_capture_layer_ids,
-)
+from eagle_ray.target_batch import Encoding
+from eagle_ray.target_runner import RunnerEagle3TargetModel
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +54,30 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
         handoff: str | None = None,
         handoff_dir: str | None = None,
     ) -> VLLMEagle3TargetModel:
-        """Build the engine. `vllm_kwargs` go to `vllm.LLM` untouched, over small-machine
-        defaults (`eagle_ray.vllm_runner.CPU_DEFAULTS` / `GPU_DEFAULTS`)."""
+        """Build the capturing vLLM engine and read the embedding and head from the checkpoint.
+
+        Args:
+            model_path: a local HF checkpoint folder with safetensors weights.
+            aux_layer_ids: three canonical (post-layer) ids; None: `[1, N//2 - 1, N - 4]`.
+                The last decoder layer (`N - 1`) is refused (it collides with the final state).
+            dtype: a torch dtype or its name; None or "auto": the checkpoint's own.
+            tp_size: tensor-parallel ranks of the engine (on CPU each gets its share of cores).
+            trust_remote_code: passed to vLLM and transformers.
+            vllm_kwargs: passed to `vllm.LLM` untouched, over small-machine defaults
+                (`eagle_ray.vllm_runner.CPU_DEFAULTS` / `GPU_DEFAULTS`). Keys the backend owns
+                (`model`, `speculative_config`, `kv_transfer_config`, `skip_tokenizer_init`)
+                are refused.
+            encoding: the default target encoding of `generate_batch`.
+            draft_vocab: the draft vocabulary, for the "target_probs" encoding.
+            self_check: compare vLLM's greedy token with the head over the captured final state
+                on every micro-batch (`SelfCheckError` on a mismatch); turn off only to debug.
+            multiprocess: run the engine core in its own process; None: only when `tp_size > 1`
+                (an in-process engine starts about 5x faster, but one per process).
+            handoff: how captured states come back: "inprocess" (a dictionary; in-process
+                engine, TP 1), "shm" (files in /dev/shm) or "file" (files in `handoff_dir`);
+                None: the cheapest that works.
+            handoff_dir: the directory of the "file" hand-off (or of "shm", default /dev/shm).
+        """
         from eagle_ray.vllm_runner import VLLMTargetRunner
 
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)

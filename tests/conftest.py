@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_ray.testing import tiny_target
+from eagle_ray.tiny import tiny_target
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle_ray.checkpoint import load_embedding_and_head
-from eagle_ray.testing import tiny_target_config
+from eagle_ray.tiny import tiny_target_config
 
 
 @pytest.mark.parametrize(("tied", "shard"), [(False, None), (True, None), (False, "200KB")])

@@ -1,7 +1,23 @@
-"""The package imports on machines without vLLM, and the contract stays free of Ray and vLLM."""
+"""The package's shape: it imports without vLLM, the contract stays free of Ray and vLLM, its
+modules import each other in one direction only (no cycles), and no module grows past a size a
+reader can hold."""
 
+import ast
+import pkgutil
 import subprocess
 import sys
+from pathlib import Path
+
+import eagle_ray
+
+PACKAGE_DIR = Path(eagle_ray.__file__).parent
+MAX_MODULE_LINES = 350
+# The vLLM KV-connector plug-in: only vLLM loads it, and it subclasses a vLLM class.
+VLLM_PLUGIN = "eagle_ray.vllm_connector"
+# The contract and the HF backend: usable in any process, with neither Ray nor vLLM.
+RAY_FREE = ["eagle_ray.target_batch", "eagle_ray.aux_layers", "eagle_ray.shift",
+            "eagle_ray.supervision", "eagle_ray.target_head", "eagle_ray.target_runner",
+            "eagle_ray.hf_target", "eagle_ray.checkpoint", "eagle_ray.config", "eagle_ray.tiny"]
 
 BLOCK_VLLM = """
 import importlib.abc, sys
@@ -13,24 +29,82 @@ sys.meta_path.insert(0, Block())
 """
 
 
+def all_modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package is its `__init__.py`)."""
+    modules = {"eagle_ray": PACKAGE_DIR / "__init__.py"}
+    for info in pkgutil.walk_packages([str(PACKAGE_DIR)], prefix="eagle_ray."):
+        relative = Path(*info.name.split(".")[1:])
+        path = PACKAGE_DIR / relative / "__init__.py" if info.ispkg else (
+            PACKAGE_DIR / relative.with_suffix(".py"))
+        modules[info.name] = path
+    return modules
+
+
+def imported_modules(path: Path, known: set[str]) -> set[str]:
+    """eagle_ray modules that `path` imports anywhere (module level, functions, TYPE_CHECKING)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            # `from eagle_ray.pool import client` imports a module; `... import TargetPool` not.
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known
+                     else node.module for alias in node.names]
+        else:
+            continue
+        found.update(name for name in names if name in known)
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path (first == last), or None."""
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(module: str) -> list[str] | None:
+        if module in visiting:
+            return visiting[visiting.index(module):] + [module]
+        if module in done:
+            return None
+        visiting.append(module)
+        for dependency in sorted(graph[module]):
+            cycle = visit(dependency)
+            if cycle:
+                return cycle
+        visiting.pop()
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        cycle = visit(module)
+        if cycle:
+            return cycle
+    return None
+
+
 def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
 
 
-def test_package_imports_without_vllm():
-    modules = ["eagle_ray", "eagle_ray.target_runner", "eagle_ray.hf_target",
-               "eagle_ray.supervision", "eagle_ray.testing", "eagle_ray.cli",
-               "eagle_ray.vllm_target", "eagle_ray.vllm_runner", "eagle_ray.vllm_handoff",
-               "eagle_ray.checkpoint", "eagle_ray.vllm_connector"]
+def test_every_module_but_the_vllm_plugin_imports_without_vllm():
+    modules = sorted(set(all_modules()) - {VLLM_PLUGIN})
+    assert len(modules) > 20, modules
     code = BLOCK_VLLM + "".join(f"import {m}\n" for m in modules) + "print('ok')"
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
 
+def test_nothing_in_the_package_imports_the_vllm_plugin():
+    modules = all_modules()
+    importers = [name for name, path in modules.items()
+                 if VLLM_PLUGIN in imported_modules(path, set(modules))]
+    assert importers == []
+
+
 def test_contract_and_hf_backend_import_neither_ray_nor_vllm():
-    code = ("import sys, eagle_ray.target_runner, eagle_ray.hf_target\n"
+    code = (f"import sys, {', '.join(RAY_FREE)}\n"
             "print(sorted(m for m in ('ray', 'vllm') if m in sys.modules))")
     result = run_python(code)
     assert result.returncode == 0, result.stderr
@@ -42,3 +116,26 @@ def test_vllm_backend_module_does_not_import_vllm():
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_the_batch_record_imports_nothing_of_the_package():
+    modules = all_modules()
+    assert imported_modules(modules["eagle_ray.target_batch"], set(modules)) == set()
+
+
+def test_no_import_cycles_in_the_package():
+    modules = all_modules()
+    graph = {name: imported_modules(path, set(modules)) - {name}
+             for name, path in modules.items()}
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_is_longer_than_a_reader_can_hold():
+    lengths = {name: len(path.read_text().splitlines()) for name, path in all_modules().items()}
+    too_long = {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES}
+    assert too_long == {}

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle_ray.config import ConfigError, apply_overrides, from_dict, load_yaml
-from eagle_ray.train import JobConfig, check_paths
+from eagle_ray.config import ConfigError, JobConfig, apply_overrides, from_dict, load_yaml
+from eagle_ray.train import check_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 

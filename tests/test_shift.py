@@ -1,4 +1,4 @@
-"""DESIGN §2.2 on a worked example small enough to check by eye."""
+"""The shift of docs/contract.md on a worked example small enough to check by eye."""
 
 import torch
 

@@ -8,8 +8,8 @@ import json
 import pytest
 import ray
 
-from eagle_ray.config import from_dict
-from eagle_ray.train import JobConfig, run_job
+from eagle_ray.config import JobConfig, from_dict
+from eagle_ray.train import run_job
 
 pytestmark = pytest.mark.slow
 

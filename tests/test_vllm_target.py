@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-from eagle_ray import vllm_handoff
 from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.target_head import TargetHead
 from eagle_ray.target_runner import RunnerEagle3TargetModel, SelfCheckError
 from eagle_ray.testing import random_micro_batch
+from eagle_ray.vllm_handoff import SHM_DIR, FileHandoff, InProcessHandoff
 from eagle_ray.vllm_target import VLLMEagle3TargetModel
 
 pytestmark = pytest.mark.slow
@@ -71,16 +71,16 @@ def test_repeated_calls_give_the_same_result_and_leave_nothing_behind(vllm_llama
         again = vllm_llama.generate_batch(*batch_args)
         assert torch.equal(again.aux_hidden_states, first.aux_hidden_states)
     runner = vllm_llama.runner
-    assert runner.handoff == "inprocess"
-    assert not [k for k in vllm_handoff._INPROCESS if k.startswith(runner._key_prefix)]
+    assert isinstance(runner.handoff, InProcessHandoff)
+    assert runner.handoff.keys(runner.key_prefix) == []
     assert not runner.llm.llm_engine.engine_core.engine_core.scheduler.has_requests()
 
 
 def test_multiprocess_handoff_goes_through_shared_memory_and_cleans_up(vllm_qwen3):
     runner = vllm_qwen3.runner
-    assert runner.handoff == "shm"
+    assert isinstance(runner.handoff, FileHandoff) and runner.handoff.directory == SHM_DIR
     vllm_qwen3.generate_batch(*random_micro_batch(vllm_qwen3.vocab_size, (5, 9)))
-    leftovers = [f for f in os.listdir(runner.handoff_dir) if f.startswith(runner._key_prefix)]
+    leftovers = [f for f in os.listdir(SHM_DIR) if f.startswith(runner.key_prefix)]
     assert leftovers == []
 
 

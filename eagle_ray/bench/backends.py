@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 
 from eagle_ray.bench import best_seconds, emit
-from eagle_ray.target_runner import ENCODINGS, RunnerEagle3TargetModel
+from eagle_ray.target_batch import ENCODINGS
+from eagle_ray.target_runner import RunnerEagle3TargetModel
 from eagle_ray.testing import random_micro_batch
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Cost of handing captured hidden states from vLLM's worker to the caller, per token.
 
-Compares each hand-off mode's publish + take against a plain memcpy of the same bytes (the floor
-any hand-off pays at least once), for a request of `[tokens, 4, H]` states.
+Compares each hand-off's publish + take against a plain memcpy of the same bytes (the floor any
+hand-off pays at least once), for a request of `[tokens, 4, H]` states.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import uuid
 
 import torch
 
-from eagle_ray import vllm_handoff
 from eagle_ray.bench import best_seconds, emit
+from eagle_ray.vllm_handoff import SHM_DIR, FileHandoff, InProcessHandoff
 
 SHAPES = [(512, 4096, torch.bfloat16), (2048, 4096, torch.bfloat16), (512, 128, torch.float32)]
 
@@ -22,13 +22,14 @@ def run(repeats: int = 5) -> None:
         states = torch.randn(tokens, 4, hidden).to(dtype)
         copy_s = best_seconds(lambda s=states: s.clone(), repeats)
         with tempfile.TemporaryDirectory() as file_dir:
-            dirs = {"inprocess": "", "shm": vllm_handoff.SHM_DIR, "file": file_dir}
-            for mode, directory in dirs.items():
+            handoffs = {"inprocess": InProcessHandoff(), "shm": FileHandoff(SHM_DIR),
+                        "file": FileHandoff(file_dir)}
+            for mode, handoff in handoffs.items():
                 key = f"eagle_ray-bench-{uuid.uuid4().hex}"
 
-                def round_trip(mode=mode, directory=directory, key=key, s=states):
-                    vllm_handoff.publish(mode, directory, key, s)
-                    return vllm_handoff.take(mode, directory, key, tuple(s.shape), s.dtype)
+                def round_trip(handoff=handoff, key=key, s=states):
+                    handoff.publish(key, s)
+                    return handoff.take(key, tuple(s.shape), s.dtype)
 
                 seconds = best_seconds(round_trip, repeats)
                 emit("handoff", "seconds_per_token", seconds / tokens, "s/token", mode=mode,

@@ -17,7 +17,7 @@ import torch
 from eagle_ray.bench import best_seconds, emit
 from eagle_ray.pool import ClientConfig, PoolConfig, TargetPool
 from eagle_ray.pool.transport import batch_from_numpy, batch_to_numpy
-from eagle_ray.target_runner import Eagle3TargetBatch
+from eagle_ray.target_batch import Eagle3TargetBatch
 from eagle_ray.testing import random_micro_batch
 
 SYNTHETIC = "eagle_ray.testing:fixed_latency_target"

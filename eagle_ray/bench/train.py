@@ -17,7 +17,7 @@ from eagle_ray.bench import emit
 from eagle_ray.bench.pool import _start_ray
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
 from eagle_ray.supervision import DraftVocab, draft_target
-from eagle_ray.target_runner import Eagle3TargetBatch
+from eagle_ray.target_batch import Eagle3TargetBatch
 
 
 def _train(draft_config: DraftConfig, embedding: torch.Tensor, head, vocab: DraftVocab,

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle_ray.aux_layers import vllm_capture_layer_ids
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft
 from eagle_ray.supervision import DraftVocab
-from eagle_ray.target_runner import vllm_capture_layer_ids
 
 logger = logging.getLogger(__name__)
 

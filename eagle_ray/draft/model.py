@@ -201,7 +201,8 @@ def ttt_loss(draft: nn.Module, aux_hidden_states: torch.Tensor, input_ids: torch
              attention_mask: torch.Tensor, loss_mask: torch.Tensor, target_probs: torch.Tensor,
              position_mask: torch.Tensor, ttt_steps: int
              ) -> tuple[torch.Tensor, list[float], list[float]]:
-    """Weighted TTT loss over shifted supervision (DESIGN §2.2), plus per-step loss and accuracy.
+    """Weighted TTT loss over shifted supervision (docs/contract.md, "Shift"), plus per-step
+    loss and accuracy.
 
     Accuracy is the share of supervised slots where the draft's argmax equals the target's
     argmax within the draft vocabulary.

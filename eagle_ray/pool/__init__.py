@@ -3,8 +3,8 @@
 Public API: `TargetPool`, `PoolConfig`, `PoolClient`, `ClientConfig`, `MicroBatchFailed`.
 """
 
+from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.pool.client import MicroBatchFailed, PoolClient
-from eagle_ray.pool.config import ClientConfig, PoolConfig
 from eagle_ray.pool.pool import TargetPool
 
 __all__ = ["ClientConfig", "MicroBatchFailed", "PoolClient", "PoolConfig", "TargetPool"]

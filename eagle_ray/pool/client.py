@@ -27,10 +27,11 @@ import torch
 from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from eagle_ray.pool.config import ClientConfig
+from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.pool.router import NoReplicaAvailable
+from eagle_ray.pool.states import MicroBatchPhase
 from eagle_ray.pool.transport import batch_from_numpy
-from eagle_ray.target_runner import Eagle3TargetBatch, validate_micro_batch
+from eagle_ray.target_batch import Eagle3TargetBatch, validate_micro_batch
 
 logger = logging.getLogger(__name__)
 
@@ -49,27 +50,42 @@ class _InFlight:
     micro_batch_id: int
     inputs: ray.ObjectRef  # (input_ids, attention_mask, loss_mask) numpy, put once, reused
     num_tokens: int
-    lease_ref: ray.ObjectRef | None = None
-    result_ref: ray.ObjectRef | None = None
-    replica: str | None = None
-    deadline: float = 0.0
+    phase: MicroBatchPhase = MicroBatchPhase.LEASING
+    lease_ref: ray.ObjectRef | None = None  # LEASING: the router's answer
+    result_ref: ray.ObjectRef | None = None  # RUNNING: the replica's answer
+    replica: str | None = None  # RUNNING: who computes it
+    deadline: float = 0.0  # RUNNING: give up on this attempt after this time
+    retry_lease_at: float = 0.0  # BACKOFF: ask the router again after this time
     attempts: int = 0
     failed_on: list[str] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)
-    retry_lease_at: float = 0.0  # router unreachable: ask again after this time
-    result: Eagle3TargetBatch | None = None
-    error: BaseException | None = None
+    result: Eagle3TargetBatch | None = None  # SUCCEEDED
+    error: BaseException | None = None  # FAILED
 
     @property
     def done(self) -> bool:
-        return self.result is not None or self.error is not None
+        return self.phase in (MicroBatchPhase.SUCCEEDED, MicroBatchPhase.FAILED)
+
+    def succeed(self, result: Eagle3TargetBatch) -> None:
+        self.phase, self.result, self.result_ref = MicroBatchPhase.SUCCEEDED, result, None
+
+    def fail(self, error: BaseException) -> None:
+        self.phase, self.error, self.result_ref = MicroBatchPhase.FAILED, error, None
 
 
 class PoolClient:
     """Submit micro-batches, receive `Eagle3TargetBatch`es; see the module docstring.
 
     Backpressure: at most `max_inflight_micro_batches` (and `max_inflight_tokens`) submitted and
-    not yet consumed; `submit` waits for running ones to finish when the window is full.
+    not yet consumed; `submit` waits for running ones to finish when the window is full. Build it
+    with `PoolClient.connect` (or `TargetPool.client()`), not directly.
+
+    Args:
+        router: the pool's router actor.
+        target_info: what a replica reported (`vocab_size`, `max_length`), to validate inputs.
+        config: flow control and retries (`ClientConfig`).
+        router_name: the router's actor name, to find it again after it restarts.
+        namespace: the pool's Ray namespace.
     """
 
     def __init__(self, router: ActorHandle, target_info: dict[str, Any],
@@ -88,8 +104,14 @@ class PoolClient:
     @classmethod
     def connect(cls, pool_name: str = "eagle_ray_pool", namespace: str = "eagle_ray",
                 config: ClientConfig | None = None) -> PoolClient:
-        """A client for a running pool, found by name (works from any job or actor)."""
-        router_name = f"{pool_name}-router"
+        """A client for a running pool, found by name (works from any job or actor).
+
+        Args:
+            pool_name: the pool's `name` (`PoolConfig.name`).
+            namespace: the pool's Ray namespace (`PoolConfig.namespace`).
+            config: flow control and retries; None: `ClientConfig()` defaults.
+        """
+        router_name = PoolConfig(name=pool_name, namespace=namespace).router_name
         router = ray.get_actor(router_name, namespace=namespace)
         config = config or ClientConfig()
         info = ray.get(router.target_info.remote(config.lease_timeout_s))
@@ -181,6 +203,7 @@ class PoolClient:
 
     def _lease(self, item: _InFlight) -> None:
         """Ask the router for a replica, avoiding those this micro-batch already failed on."""
+        item.phase = MicroBatchPhase.LEASING
         item.lease_ref = self._router.acquire.remote(
             item.micro_batch_id, item.num_tokens, item.failed_on, self.config.lease_timeout_s)
 
@@ -189,18 +212,15 @@ class PoolClient:
         now = time.monotonic()
         waiting: dict[ray.ObjectRef, _InFlight] = {}
         for item in self._inflight.values():
-            if item.done:
-                continue
-            if item.lease_ref is None and item.result_ref is None and now >= item.retry_lease_at:
+            if item.phase is MicroBatchPhase.BACKOFF and now >= item.retry_lease_at:
                 self._lease(item)
-            if item.lease_ref is not None:
+            if item.phase is MicroBatchPhase.RUNNING and now > item.deadline:
+                self._attempt_failed(item, f"timed out after {self.config.timeout_s:.0f}s",
+                                     replica_died=False, cancel=True)
+            if item.phase is MicroBatchPhase.LEASING:
                 waiting[item.lease_ref] = item
-            elif item.result_ref is not None:
-                if now > item.deadline:
-                    self._attempt_failed(item, f"timed out after {self.config.timeout_s:.0f}s",
-                                         replica_died=False, cancel=True)
-                else:
-                    waiting[item.result_ref] = item
+            elif item.phase is MicroBatchPhase.RUNNING:
+                waiting[item.result_ref] = item
         if not waiting:
             time.sleep(min(timeout, ROUTER_RETRY_S))
             return
@@ -209,7 +229,7 @@ class PoolClient:
             ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=0)
         for ref in ready:
             item = waiting[ref]
-            if ref is item.lease_ref:
+            if item.phase is MicroBatchPhase.LEASING:
                 self._on_lease(item)
             else:
                 self._on_result(item)
@@ -222,15 +242,17 @@ class PoolClient:
             # The router is restarting (or was replaced): ask again shortly.
             logger.warning("router unreachable; retrying lease for micro-batch %d",
                            item.micro_batch_id)
+            item.phase = MicroBatchPhase.BACKOFF
             item.retry_lease_at = time.monotonic() + ROUTER_RETRY_S
             self._reconnect_router()
             return
         except RayTaskError as e:
             cause = e.as_instanceof_cause()
             if isinstance(cause, NoReplicaAvailable):
-                item.error = MicroBatchFailed(str(cause))
+                item.fail(MicroBatchFailed(str(cause)))
                 return
             raise
+        item.phase = MicroBatchPhase.RUNNING
         item.replica = replica
         item.attempts += 1
         item.deadline = time.monotonic() + self.config.timeout_s
@@ -246,15 +268,14 @@ class PoolClient:
             cause = e.as_instanceof_cause()
             if isinstance(cause, ValueError | TypeError):
                 self._release(item, ok=False)
-                item.error = cause  # bad input: the same on every replica
+                item.fail(cause)  # bad input: the same on every replica
                 return
             self._attempt_failed(item, f"{type(cause).__name__}: {cause}", replica_died=False)
             return
         except GetTimeoutError:  # not actually ready; look again next round
             return
         self._release(item, ok=True)
-        item.result_ref = None
-        item.result = batch_from_numpy(payload)
+        item.succeed(batch_from_numpy(payload))
 
     def _attempt_failed(self, item: _InFlight, reason: str, replica_died: bool,
                         cancel: bool = False) -> None:
@@ -267,9 +288,9 @@ class PoolClient:
         item.errors.append(f"{item.replica}: {reason}")
         item.result_ref, item.replica = None, None
         if item.attempts >= self.config.max_attempts:
-            item.error = MicroBatchFailed(
+            item.fail(MicroBatchFailed(
                 f"micro-batch {item.micro_batch_id} failed {item.attempts} times: "
-                + "; ".join(item.errors))
+                + "; ".join(item.errors)))
             return
         logger.warning("micro-batch %d: %s; re-running on another replica",
                        item.micro_batch_id, item.errors[-1])

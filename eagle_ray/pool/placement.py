@@ -12,7 +12,7 @@ from typing import Any
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from eagle_ray.pool.config import PoolConfig
+from eagle_ray.config.pool import PoolConfig
 
 
 def replica_bundles(config: PoolConfig) -> list[dict[str, float]]:
@@ -28,7 +28,7 @@ def create_replica_placement_group(config: PoolConfig, index: int) -> PlacementG
     return placement_group(
         replica_bundles(config),
         strategy=config.placement_strategy,
-        name=f"{config.replica_name(index)}-pg",
+        name=config.placement_group_name(index),
         lifetime="detached" if config.detached else None,
     )
 

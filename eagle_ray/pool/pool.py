@@ -9,8 +9,8 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
+from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.pool.client import PoolClient
-from eagle_ray.pool.config import ClientConfig, PoolConfig
 from eagle_ray.pool.placement import (
     create_replica_placement_group,
     replica_actor_options,
@@ -50,7 +50,16 @@ class TargetPool:
 
     @classmethod
     def create(cls, config: PoolConfig, wait: bool = True) -> TargetPool:
-        """Start the router and `config.replicas` replicas; with `wait`, until all are ready."""
+        """Start the router and `config.replicas` replicas.
+
+        Connects to Ray first when this process has not (`ray.init` in the pool's namespace).
+
+        Args:
+            config: the pool to build (README, "Pool config keys"); its `name` and `namespace`
+                name every actor and placement group.
+            wait: block until all replicas are ready (up to `config.ready_timeout_s`, then
+                `TimeoutError` naming the resources that are missing).
+        """
         if not ray.is_initialized():
             ray.init(namespace=config.namespace)
         router = _RouterActor.options(
@@ -69,12 +78,13 @@ class TargetPool:
     @classmethod
     def connect(cls, name: str = "eagle_ray_pool", namespace: str = "eagle_ray") -> TargetPool:
         """Attach to a running (e.g. detached) pool by name."""
+        config = PoolConfig(name=name, namespace=namespace)
         try:
-            router = ray.get_actor(f"{name}-router", namespace=namespace)
+            router = ray.get_actor(config.router_name, namespace=namespace)
         except ValueError:
             raise ValueError(f"no eagle_ray pool named {name!r} in namespace {namespace!r} on "
                              f"this cluster; start one with `eagle-ray serve`") from None
-        pool = cls(PoolConfig(name=name, namespace=namespace), router)
+        pool = cls(config, router)
         pool._next_index = 1 + max(pool._replica_indices(), default=-1)
         return pool
 
@@ -105,13 +115,12 @@ class TargetPool:
         if not indices:
             raise ValueError("the pool has no replicas to remove")
         index = max(indices) if index is None else index
-        name = self.config.replica_name(index)
-        drained = ray.get(self.router.remove_replica.remote(name, drain))
+        drained = ray.get(self.router.remove_replica.remote(self.config.replica_name(index),
+                                                            drain))
         if not drained:
             logger.warning("replica %d did not drain in time; its micro-batches will be re-run",
                            index)
-        self._kill(name)
-        self._handles.pop(index, None)
+        self._kill(index)
         return index
 
     def wait_ready(self, min_replicas: int, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -140,7 +149,7 @@ class TargetPool:
     def shutdown(self) -> None:
         """Kill the replicas and the router and remove the placement groups."""
         for index in self._replica_indices():
-            self._kill(self.config.replica_name(index))
+            self._kill(index)
         for pg in self._placement_groups():
             remove_placement_group(pg)
         self._handles.clear()
@@ -161,13 +170,17 @@ class TargetPool:
                 for info in ray.util.placement_group_table().values()
                 if info["name"].startswith(prefix) and info["state"] != "REMOVED"]
 
-    def _kill(self, name: str) -> None:
+    def _kill(self, index: int) -> None:
+        """Kill replica `index` and remove its placement group (either may be gone already)."""
+        self._handles.pop(index, None)
         try:
-            ray.kill(ray.get_actor(name, namespace=self.config.namespace), no_restart=True)
+            ray.kill(ray.get_actor(self.config.replica_name(index),
+                                   namespace=self.config.namespace), no_restart=True)
         except ValueError:
-            pass  # already gone
+            pass
         try:
-            remove_placement_group(ray.util.get_placement_group(f"{name}-pg"))
+            remove_placement_group(
+                ray.util.get_placement_group(self.config.placement_group_name(index)))
         except ValueError:
             pass
 

@@ -12,9 +12,10 @@ import numpy as np
 import ray
 import torch
 
-from eagle_ray.pool.config import PoolConfig
+from eagle_ray.config.pool import PoolConfig
 from eagle_ray.pool.transport import batch_to_numpy
-from eagle_ray.target_runner import RunnerEagle3TargetModel, SelfCheckError, validate_micro_batch
+from eagle_ray.target_batch import validate_micro_batch
+from eagle_ray.target_runner import RunnerEagle3TargetModel, SelfCheckError
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ def build_backend(config: PoolConfig) -> RunnerEagle3TargetModel:
     """The backend a replica owns, from the pool config."""
     model_path = config.model_path
     if model_path is None:
-        from eagle_ray.testing import tiny_target
+        from eagle_ray.tiny import tiny_target
 
         model_path = str(tiny_target("llama"))
     dtype = None if config.dtype == "auto" else config.dtype

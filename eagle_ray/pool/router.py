@@ -19,6 +19,9 @@ import ray
 from ray.actor import ActorHandle
 from ray.util import metrics
 
+from eagle_ray.pool.routing import choose_replica
+from eagle_ray.pool.states import ReplicaState
+
 logger = logging.getLogger(__name__)
 
 DISCOVERY_PERIOD_S = 0.5
@@ -31,9 +34,11 @@ class NoReplicaAvailable(RuntimeError):
 
 @dataclasses.dataclass
 class _Replica:
+    """The router's record of one replica (its load, health and history)."""
+
     name: str
     handle: ActorHandle
-    state: str = "starting"  # starting -> ready <-> suspect; draining when being removed
+    state: ReplicaState = ReplicaState.STARTING  # -> READY <-> SUSPECT; DRAINING when removed
     outstanding_tokens: int = 0
     outstanding_micro_batches: int = 0
     peak_outstanding_tokens: int = 0
@@ -55,7 +60,7 @@ class _Replica:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "state": self.state,
+            "state": self.state.value,
             "outstanding_tokens": self.outstanding_tokens,
             "outstanding_micro_batches": self.outstanding_micro_batches,
             "peak_outstanding_tokens": self.peak_outstanding_tokens,
@@ -110,7 +115,7 @@ class PoolRouter:
         replica = self._replicas.get(name)
         if replica is None:
             return True
-        replica.state = "draining"
+        replica.state = ReplicaState.DRAINING
         drained = True
         if drain:
             deadline = time.monotonic() + timeout_s
@@ -134,12 +139,13 @@ class PoolRouter:
                 for name, replica in list(self._replicas.items()):
                     if name in alive:
                         replica.named = True
-                    elif replica.named and replica.state != "draining":
+                    elif replica.named and replica.state is not ReplicaState.DRAINING:
                         logger.warning("replica %s is gone; dropping it", name)
                         self._replicas.pop(name)
                 health_round = time.monotonic() - self._last_health >= HEALTH_PERIOD_S
                 for replica in self._replicas.values():
-                    if replica.state in ("starting", "suspect") or health_round:
+                    if replica.state in (ReplicaState.STARTING, ReplicaState.SUSPECT) \
+                            or health_round:
                         self._probe_soon(replica)
                 if health_round:
                     self._last_health = time.monotonic()
@@ -158,16 +164,16 @@ class PoolRouter:
             info = await replica.handle.ready.remote()
         except Exception as e:  # dead or restarting: probe again next round
             logger.info("replica %s not ready: %s", replica.name, type(e).__name__)
-            if replica.state == "ready":
-                replica.state = "suspect"
+            if replica.state is ReplicaState.READY:
+                replica.state = ReplicaState.SUSPECT
             return
         finally:
             replica.probing = False
         if replica.pid is not None and info["pid"] != replica.pid:
             replica.restarts += 1
         replica.pid, replica.node_id, replica.info = info["pid"], info["node_id"], info
-        if replica.state in ("starting", "suspect"):
-            replica.state = "ready"
+        if replica.state in (ReplicaState.STARTING, ReplicaState.SUSPECT):
+            replica.state = ReplicaState.READY
             logger.info("replica %s ready (pid %s, node %s)", replica.name, replica.pid,
                         replica.node_id)
             async with self._changed:
@@ -177,13 +183,13 @@ class PoolRouter:
 
     async def acquire(self, micro_batch_id: int, num_tokens: int, avoid: list[str],
                       timeout_s: float) -> tuple[str, ActorHandle]:
-        """Lease a replica for one micro-batch: the ready replica with the fewest outstanding
-        tokens that has room, preferring replicas not in `avoid` (where it already failed).
-        Waits for capacity (backpressure) up to `timeout_s`."""
+        """Lease a replica for one micro-batch (`routing.choose_replica` decides which), waiting
+        for capacity (backpressure) up to `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         async with self._changed:
             while True:
-                replica = self._pick(num_tokens, set(avoid))
+                replica = choose_replica(self._replicas.values(), num_tokens, set(avoid),
+                                         self._max_tokens)
                 if replica is not None:
                     replica.outstanding_tokens += num_tokens
                     replica.outstanding_micro_batches += 1
@@ -197,7 +203,7 @@ class PoolRouter:
                     raise NoReplicaAvailable(
                         f"no replica accepted micro-batch {micro_batch_id} ({num_tokens} tokens) "
                         f"within {timeout_s:.0f}s; replicas: "
-                        f"{ {n: r.state for n, r in self._replicas.items()} or 'none'}"
+                        f"{ {n: r.state.value for n, r in self._replicas.items()} or 'none'}"
                         f"{'; already failed on ' + str(sorted(avoid)) if avoid else ''}"
                     )
 
@@ -212,14 +218,6 @@ class PoolRouter:
         except TimeoutError:
             pass
         return True
-
-    def _pick(self, num_tokens: int, avoid: set[str]) -> _Replica | None:
-        ready = [r for r in self._replicas.values() if r.state == "ready"]
-        preferred = [r for r in ready if r.name not in avoid] or ready
-        # An idle replica takes any micro-batch, even one larger than the cap.
-        fits = [r for r in preferred if r.outstanding_tokens == 0
-                or r.outstanding_tokens + num_tokens <= self._max_tokens]
-        return min(fits, key=lambda r: (r.outstanding_tokens, r.name), default=None)
 
     async def release(self, name: str, num_tokens: int, ok: bool,
                       replica_died: bool = False) -> None:
@@ -236,8 +234,8 @@ class PoolRouter:
                 self._served_counter.inc(num_tokens, tags={"replica": name})
             else:
                 replica.errors += 1
-                if replica_died and replica.state == "ready":
-                    replica.state = "suspect"
+                if replica_died and replica.state is ReplicaState.READY:
+                    replica.state = ReplicaState.SUSPECT
                     self._probe_soon(replica)
         async with self._changed:
             self._changed.notify_all()
@@ -248,7 +246,7 @@ class PoolRouter:
         """Per replica: state, outstanding tokens, tokens/s, errors, restarts; plus totals."""
         return {
             "replicas": {name: r.summary() for name, r in sorted(self._replicas.items())},
-            "ready_replicas": sum(r.state == "ready" for r in self._replicas.values()),
+            "ready_replicas": sum(r.state is ReplicaState.READY for r in self._replicas.values()),
             "leases": self._leases,
         }
 
@@ -258,7 +256,7 @@ class PoolRouter:
         async with self._changed:
             while True:
                 for replica in self._replicas.values():
-                    if replica.state == "ready" and replica.info:
+                    if replica.state is ReplicaState.READY and replica.info:
                         return replica.info
                 if not await self._wait_for_change(deadline):
                     raise NoReplicaAvailable(f"no replica became ready within {timeout_s:.0f}s")

@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import torch
 
-from eagle_ray.target_runner import Eagle3TargetBatch
+from eagle_ray.target_batch import Eagle3TargetBatch
 
 _VIEW_AS = {torch.bfloat16: torch.int16}
 

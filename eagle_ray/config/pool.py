@@ -1,18 +1,21 @@
-"""The pool's configuration (validated: unknown keys and wrong types are errors)."""
+"""The pool's and the pool client's configuration (README: "Pool config keys").
+
+Unknown keys and wrong types are errors (`eagle_ray.config.loader`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Literal
 
-from eagle_ray.config import ConfigError
+from eagle_ray.config.loader import ConfigError
 
 
 @dataclasses.dataclass
 class PoolConfig:
     """What `TargetPool` builds. Every key is documented in the README ("Pool config keys")."""
 
-    model_path: str | None = None  # None: the tiny built-in Llama target (eagle_ray.testing)
+    model_path: str | None = None  # None: the tiny built-in Llama target (eagle_ray.tiny)
     backend: str = "vllm"  # "vllm", "hf", or "package.module:factory" (factory(config) -> backend)
     replicas: int = 1
     tp_size: int = 1
@@ -46,16 +49,21 @@ class PoolConfig:
             raise ConfigError(f"backend must be 'vllm', 'hf' or 'module:factory', "
                               f"got {self.backend!r}")
 
+    # Every name the pool gives its actors and placement groups comes from here.
+
     @property
     def router_name(self) -> str:
         return f"{self.name}-router"
 
     def replica_name(self, index: int) -> str:
-        return f"{self.name}-replica-{index}"
+        return f"{self.replica_prefix}{index}"
 
     @property
     def replica_prefix(self) -> str:
         return f"{self.name}-replica-"
+
+    def placement_group_name(self, index: int) -> str:
+        return f"{self.replica_name(index)}-pg"
 
 
 @dataclasses.dataclass

@@ -1,0 +1,88 @@
+"""Which target layers EAGLE-3 reads, in one convention, and their translation for vLLM.
+
+Canonical ids are *post-layer*: id `k` is the residual stream after decoder layer `k` (HF
+`output_hidden_states[k + 1]`). vLLM's `extract_hidden_states` speaks *pre-layer* ids; the
+translation lives here once, so capture and export can never disagree (docs/contract.md,
+"Aux layer ids").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from eagle_ray.target_batch import NUM_AUX_LAYERS
+
+
+def default_eagle3_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's low / middle / high layers in the post-layer convention: `[1, N//2 - 1, N - 4]`.
+
+    Id `k` is the residual stream *after* decoder layer `k` (HF `output_hidden_states[k + 1]`).
+    """
+    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    if not (0 <= ids[0] < ids[1] < ids[2] < num_layers):
+        raise ValueError(
+            f"a target with {num_layers} decoder layers is too shallow for the default EAGLE-3 aux "
+            f"layers [1, N//2-1, N-4] = {ids}; pass aux_layer_ids explicitly: three distinct, "
+            f"ascending layer ids in [0, {num_layers})"
+        )
+    return ids
+
+
+def validate_eagle3_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    """Check canonical (post-layer) aux ids: three distinct ints in `[0, N)`, ascending."""
+    ids = list(ids)
+    if len(ids) != NUM_AUX_LAYERS:
+        raise ValueError(
+            f"EAGLE-3 needs exactly {NUM_AUX_LAYERS} aux layer ids, got {len(ids)}: {ids}; "
+            f"pass three (the default for this target is "
+            f"{_default_or_none(num_layers)})"
+        )
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise TypeError(f"aux layer ids must be ints, got {ids!r}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"aux layer ids must be distinct, got {ids}")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"aux layer ids {bad} are outside [0, {num_layers}) for a target with {num_layers} "
+            f"decoder layers (id k = output of decoder layer k, 0-based; the embedding is not a "
+            f"layer)"
+        )
+    if ids != sorted(ids):
+        raise ValueError(
+            f"aux layer ids must be ascending (the aux states are concatenated in layer order), "
+            f"got {ids}; pass {sorted(ids)}"
+        )
+    return ids
+
+
+def resolve_eagle3_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> list[int]:
+    """The given ids validated, or the default ones when `ids` is None (what every backend does
+    before it builds its engine)."""
+    if ids is None:
+        return default_eagle3_aux_layer_ids(num_layers)
+    return validate_eagle3_aux_layer_ids(ids, num_layers)
+
+
+def _default_or_none(num_layers: int) -> list[int] | None:
+    try:
+        return default_eagle3_aux_layer_ids(num_layers)
+    except ValueError:
+        return None
+
+
+def vllm_capture_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """Translate canonical ids to vLLM's pre-layer `extract_hidden_states` ids.
+
+    vLLM's id `j` is the stream *entering* layer `j`, so canonical `k` is `k + 1`; the extra id `N`
+    is the final hidden state before the final norm (our `last_hidden`). Canonical `N - 1` would be
+    captured twice under one id, which vLLM deduplicates, so it is refused.
+    """
+    ids = validate_eagle3_aux_layer_ids(aux_layer_ids, num_layers)
+    if num_layers - 1 in ids:
+        raise ValueError(
+            f"aux layer id {num_layers - 1} (the last decoder layer) collides with the final "
+            f"hidden state that the vLLM backend captures as id {num_layers}; choose ids below "
+            f"{num_layers - 1}"
+        )
+    return [i + 1 for i in ids] + [num_layers]

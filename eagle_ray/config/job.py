@@ -1,0 +1,65 @@
+"""The training job's configuration: `eagle-ray train --config FILE [key=value ...]`.
+
+Every key is documented in the README ("Job config keys"); unknown keys and wrong types are errors
+(`eagle_ray.config.loader`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from eagle_ray.config.pool import PoolConfig
+
+
+@dataclasses.dataclass
+class DataConfig:
+    path: str | None = None  # chat JSONL ({"messages": [...]}); None: generated tiny chat data
+    num_samples: int = 320  # generated data only
+    max_length: int = 256  # longer conversations are dropped (and counted)
+    micro_batch_size: int = 8
+    draft_vocab_size: int = 256
+    eval_samples: int = 16  # the last N conversations are held out for evaluation
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    workers: int = 2
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    # Custom resources per worker, e.g. {trainer_node: 1} to keep trainers off target GPUs.
+    worker_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    steps: int = 200
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ttt_steps: int = 3
+    prefetch: int = 4  # micro-batches each worker keeps in flight at the pool
+    checkpoint_every: int = 50
+    log_every: int = 10
+    seed: int = 0
+    intermediate_size: int | None = None  # draft MLP width; None: the target's
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    enabled: bool = True
+    prompts: int = 8  # held-out prompts
+    max_new_tokens: int = 32
+    num_speculative_tokens: int = 3
+    vllm: bool = True  # also measure acceptance with vLLM serving the exported draft
+
+
+@dataclasses.dataclass
+class JobConfig:
+    """`eagle-ray train --config FILE [key=value ...]`; every key is in the README."""
+
+    target: PoolConfig = dataclasses.field(default_factory=PoolConfig)
+    use_shared_pool: bool = False  # join a pool started with `eagle-ray serve` (target.name)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    output_dir: str = "runs/tiny"
+    run_name: str = "eagle3-draft"
+    storage_path: str | None = None  # Ray Train storage (shared storage on clusters)
+    ray_address: str | None = None  # None: RAY_ADDRESS or a running local cluster, else a new one

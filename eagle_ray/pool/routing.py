@@ -1,0 +1,39 @@
+"""Which replica serves a micro-batch: a pure policy, fed the replicas' loads, tested without Ray.
+
+The router actor gathers the inputs (states and outstanding tokens) and applies the choice; the
+choice itself lives here, as Ray Serve keeps its request routers apart from the actors using them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Protocol, TypeVar
+
+from eagle_ray.pool.states import ReplicaState
+
+
+class ReplicaLoad(Protocol):
+    """What the policy reads of a replica."""
+
+    name: str
+    state: ReplicaState
+    outstanding_tokens: int  # leased to clients and not yet released
+
+
+R = TypeVar("R", bound=ReplicaLoad)
+
+
+def choose_replica(replicas: Iterable[R], num_tokens: int, avoid: Collection[str],
+                   max_outstanding_tokens: int) -> R | None:
+    """The ready replica with the fewest outstanding tokens that has room for `num_tokens`.
+
+    Replicas named in `avoid` (where this micro-batch already failed) are passed over while any
+    other ready replica exists. An idle replica takes any micro-batch, even one larger than
+    `max_outstanding_tokens`, so no micro-batch waits forever. None: every candidate is full
+    (backpressure) or none is ready. Ties go to the lowest name, so the choice is deterministic.
+    """
+    ready = [r for r in replicas if r.state is ReplicaState.READY]
+    preferred = [r for r in ready if r.name not in avoid] or ready
+    fits = [r for r in preferred if r.outstanding_tokens == 0
+            or r.outstanding_tokens + num_tokens <= max_outstanding_tokens]
+    return min(fits, key=lambda r: (r.outstanding_tokens, r.name), default=None)

@@ -1,0 +1,170 @@
+"""The supervision record every backend returns, and the input checks every backend applies.
+
+This module is the contract's data layer: it imports nothing of eagle_ray (only torch), so every
+other module can import it and no import cycle can pass through it. The contract itself -- layer
+ids, shift, encodings -- is written down in `docs/contract.md`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+NUM_AUX_LAYERS = 3  # EAGLE-3 reads three target layers: low, middle, high
+Encoding = Literal["logits", "last_hidden", "target_probs"]
+ENCODINGS: tuple[str, ...] = ("logits", "last_hidden", "target_probs")
+
+
+@dataclasses.dataclass
+class Eagle3TargetBatch:
+    """Supervision for one micro-batch, already shifted (docs/contract.md, "Shift").
+
+    Shapes: `aux_hidden_states [B, S, 3H]`; `input_ids`, `attention_mask`, `loss_mask [B, S]`;
+    exactly one target encoding: `logits [B, S, V]`, `last_hidden [B, S, H]` (pre-norm; apply
+    the `TargetHead`), or `target_probs [B, S, V_draft]` with `position_mask [B, S]`.
+    Slots without a next position (padding, each row's last token) hold zeros.
+    """
+
+    aux_hidden_states: torch.Tensor
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    logits: torch.Tensor | None = None
+    last_hidden: torch.Tensor | None = None
+    target_probs: torch.Tensor | None = None
+    position_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    @property
+    def encoding(self) -> str:
+        for name in ENCODINGS:
+            if getattr(self, name) is not None:
+                return name
+        raise AssertionError("unreachable: validated on construction")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The fields that are set, by name (what a transport moves)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def to(self, device: torch.device | str) -> Eagle3TargetBatch:
+        return Eagle3TargetBatch(**{k: v.to(device) for k, v in self.tensors().items()})
+
+    def _validate(self) -> None:
+        aux = self.aux_hidden_states
+        _require(aux.dim() == 3 and aux.is_floating_point(), "aux_hidden_states",
+                 f"a float tensor [B, S, 3H], got {_describe(aux)}")
+        batch, seq, width = aux.shape
+        _require(width % NUM_AUX_LAYERS == 0, "aux_hidden_states",
+                 f"a last dimension divisible by {NUM_AUX_LAYERS}, got {width}")
+        hidden = width // NUM_AUX_LAYERS
+        for name in ("input_ids", "attention_mask", "loss_mask"):
+            t = getattr(self, name)
+            _require(t.shape == (batch, seq) and not t.is_floating_point(), name,
+                     f"an integer or bool tensor [{batch}, {seq}], got {_describe(t)}")
+        encodings = [n for n in ENCODINGS if getattr(self, n) is not None]
+        if len(encodings) != 1:
+            raise ValueError(
+                f"an Eagle3TargetBatch carries exactly one target encoding out of {ENCODINGS}, "
+                f"got {encodings or 'none'}"
+            )
+        encoding = encodings[0]
+        value = getattr(self, encoding)
+        _require(value.dim() == 3 and value.shape[:2] == (batch, seq)
+                 and value.is_floating_point(), encoding,
+                 f"a float tensor [{batch}, {seq}, ...], got {_describe(value)}")
+        if encoding == "last_hidden":
+            _require(value.shape[2] == hidden, "last_hidden",
+                     f"hidden size {hidden} (a third of aux_hidden_states), got {value.shape[2]}")
+        if encoding == "target_probs":
+            pm = self.position_mask
+            _require(pm is not None and pm.shape == (batch, seq) and pm.dtype == torch.bool,
+                     "position_mask", f"a bool tensor [{batch}, {seq}] alongside target_probs, "
+                     f"got {_describe(pm)}")
+        elif self.position_mask is not None:
+            raise ValueError("position_mask goes only with the target_probs encoding")
+
+
+def _require(ok: bool, name: str, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {expected}")
+
+
+def _describe(t: torch.Tensor | None) -> str:
+    return "None" if t is None else f"{t.dtype} of shape {list(t.shape)}"
+
+
+def validate_micro_batch(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    vocab_size: int,
+    max_length: int | None = None,
+) -> None:
+    """Reject a micro-batch that no backend could serve, saying what is wrong and what to do.
+
+    Called before anything reaches an engine (and by the pool client before anything travels).
+    """
+    for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask),
+                    ("loss_mask", loss_mask)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise TypeError(
+            f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; "
+            f"convert with input_ids.long()"
+        )
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids must be 2-D [batch, seq], got shape {list(input_ids.shape)}; "
+            f"for a single row use input_ids.unsqueeze(0)"
+        )
+    if input_ids.numel() == 0:
+        raise ValueError(f"empty micro-batch: input_ids has shape {list(input_ids.shape)}")
+    for name, mask in (("attention_mask", attention_mask), ("loss_mask", loss_mask)):
+        if mask.shape != input_ids.shape:
+            raise ValueError(
+                f"{name} shape {list(mask.shape)} does not match input_ids shape "
+                f"{list(input_ids.shape)}"
+            )
+        if mask.is_floating_point() or mask.is_complex():
+            raise TypeError(f"{name} must be an integer or bool tensor, got {mask.dtype}")
+        if not torch.all((mask == 0) | (mask == 1)):
+            raise ValueError(f"{name} must hold only 0 and 1")
+    attended = attention_mask.bool()
+    lengths = attended.sum(dim=1)
+    if torch.any(lengths == 0):
+        rows = torch.nonzero(lengths == 0).flatten().tolist()
+        raise ValueError(f"rows {rows} have no tokens (attention_mask all zero); drop them")
+    right_padded = torch.arange(input_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    if not torch.equal(right_padded, attended):
+        raise ValueError(
+            "attention_mask must be right-padded (each row: ones, then zeros); left padding or "
+            "holes are not supported -- re-pad the rows on the right"
+        )
+    if torch.any(loss_mask.bool() & ~attended):
+        raise ValueError("loss_mask is set on padding slots (where attention_mask is 0)")
+    ids = input_ids[attended]
+    if torch.any(ids < 0) or torch.any(ids >= vocab_size):
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        raise ValueError(
+            f"token ids must be in [0, {vocab_size}) (the target's vocabulary), found "
+            f"{sorted(set(bad.tolist()))[:8]}; was the data tokenized with the target's tokenizer?"
+        )
+    if max_length is not None and int(lengths.max()) > max_length:
+        raise ValueError(
+            f"a row has {int(lengths.max())} tokens but the target accepts at most {max_length}; "
+            f"truncate or filter longer rows"
+        )

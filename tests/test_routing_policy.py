@@ -1,0 +1,52 @@
+"""The router's choice of replica, as a pure policy: no Ray, no actors."""
+
+import dataclasses
+
+from eagle_ray.pool.routing import choose_replica
+from eagle_ray.pool.states import ReplicaState
+
+CAP = 100
+
+
+@dataclasses.dataclass
+class Replica:
+    name: str
+    outstanding_tokens: int = 0
+    state: ReplicaState = ReplicaState.READY
+
+
+def choose(replicas, num_tokens=10, avoid=()):
+    chosen = choose_replica(replicas, num_tokens, set(avoid), CAP)
+    return None if chosen is None else chosen.name
+
+
+def test_the_least_loaded_ready_replica_is_chosen():
+    assert choose([Replica("a", 50), Replica("b", 20), Replica("c", 30)]) == "b"
+
+
+def test_ties_go_to_the_lowest_name():
+    assert choose([Replica("b", 5), Replica("a", 5)]) == "a"
+
+
+def test_replicas_that_are_not_ready_are_never_chosen():
+    replicas = [Replica("a", 90, ReplicaState.STARTING), Replica("b", 0, ReplicaState.SUSPECT),
+                Replica("c", 0, ReplicaState.DRAINING), Replica("d", 40)]
+    assert choose(replicas) == "d"
+    assert choose(replicas[:3]) is None
+
+
+def test_a_full_replica_is_skipped_and_all_full_means_wait():
+    assert choose([Replica("a", 95), Replica("b", 60)], num_tokens=30) == "b"
+    assert choose([Replica("a", 95), Replica("b", 80)], num_tokens=30) is None
+
+
+def test_an_idle_replica_takes_a_micro_batch_larger_than_the_cap():
+    assert choose([Replica("a")], num_tokens=5 * CAP) == "a"
+    assert choose([Replica("a", 1)], num_tokens=5 * CAP) is None
+
+
+def test_replicas_that_failed_this_micro_batch_are_avoided_while_others_exist():
+    replicas = [Replica("a", 0), Replica("b", 70)]
+    assert choose(replicas, avoid=["a"]) == "b"
+    assert choose(replicas, avoid=["a", "b"]) == "a", "every replica failed it: try the best"
+    assert choose([Replica("a", 0), Replica("b", 70, ReplicaState.SUSPECT)], avoid=["a"]) == "a"
