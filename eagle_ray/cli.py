@@ -22,13 +22,14 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from eagle_ray.data import collate, tokenize_chat
+    from eagle_ray.chat import tokenize_conversation
+    from eagle_ray.data import collate
     from eagle_ray.hf_target import HFEagle3TargetModel
     from eagle_ray.tiny import generate_chat_samples, tiny_target
 
     model_path = args.model or tiny_target(args.arch)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    rows = [tokenize_chat(tokenizer, s["messages"])
+    rows = [tokenize_conversation(tokenizer, s["messages"])
             for s in generate_chat_samples(args.samples, seed=1)]
     input_ids, attention_mask, loss_mask = collate(rows, pad_id=tokenizer.pad_token_id)
     target = HFEagle3TargetModel.from_pretrained(model_path, dtype=torch.float32)
@@ -56,21 +57,21 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    """Acceptance of an exported draft (simulated and vLLM-measured) on held-out prompts."""
+    """Acceptance of an exported draft (simulated and vLLM-measured) on the job's held-out
+    conversations, on the target the draft was exported for (or `target.model_path`)."""
     from transformers import AutoTokenizer
 
     from eagle_ray.config import JobConfig, load_yaml
-    from eagle_ray.data import read_jsonl
+    from eagle_ray.data import load_conversations
+    from eagle_ray.draft.export import exported_target
     from eagle_ray.evaluate import evaluate_draft
-    from eagle_ray.tiny import generate_chat_samples, tiny_target
 
     job = load_yaml(JobConfig, args.config, args.overrides)
-    model_path = job.target.model_path or str(tiny_target("llama"))
-    samples = (list(read_jsonl(job.data.path)) if job.data.path
-               else generate_chat_samples(job.data.num_samples))
-    report = evaluate_draft(model_path, args.draft, samples[-job.data.eval_samples:],
-                            AutoTokenizer.from_pretrained(model_path), job.eval,
-                            job.target.aux_layer_ids)
+    model_path = job.target.model_path or exported_target(args.draft).model_path
+    conversations = load_conversations(job.data.path, job.data.num_samples)
+    held_out = [messages for _, messages in conversations[-job.data.eval_samples:]]
+    report = evaluate_draft(model_path, args.draft, held_out,
+                            AutoTokenizer.from_pretrained(model_path), job.eval)
     print(json.dumps(report))
     return 0
 

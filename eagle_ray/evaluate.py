@@ -26,13 +26,15 @@ from eagle_ray.supervision import DraftVocab
 logger = logging.getLogger(__name__)
 
 
-def prompt_ids(samples: Sequence[dict], tokenizer) -> list[list[int]]:
-    """Held-out conversations up to (and including) the assistant turn's opening."""
+def prompt_ids(conversations: Sequence[list[dict[str, str]]], tokenizer) -> list[list[int]]:
+    """Each held-out conversation up to its last assistant turn, with the generation prompt:
+    what the target answers at serving time."""
     prompts = []
-    for sample in samples:
-        messages = [m for m in sample["messages"] if m["role"] != "assistant"]
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                return_dict=True)
+    for messages in conversations:
+        last_answer = max((i for i, m in enumerate(messages) if m["role"] == "assistant"),
+                          default=len(messages))
+        encoded = tokenizer.apply_chat_template(messages[:last_answer],
+                                                add_generation_prompt=True, return_dict=True)
         prompts.append(list(encoded["input_ids"]))
     return prompts
 
@@ -40,10 +42,19 @@ def prompt_ids(samples: Sequence[dict], tokenizer) -> list[list[int]]:
 @torch.inference_mode()
 def greedy_generate(target: HFEagle3TargetModel, prompt: list[int], max_new_tokens: int
                     ) -> list[int]:
+    """The target's greedy continuation of `prompt`, end-of-turn tokens included (as vLLM with
+    `ignore_eos` generates it). A plain argmax loop over the KV cache: `generate()` would infer
+    an attention mask from a pad id (masking a BOS that shares it) and suppress EOS."""
     model = target.model
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                         min_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+    tokens: list[int] = []
+    for _ in range(max_new_tokens):
+        next_token = out.logits[0, -1].argmax()
+        tokens.append(int(next_token))
+        out = model(input_ids=next_token.view(1, 1), past_key_values=out.past_key_values,
+                    use_cache=True)
+    return tokens
 
 
 @torch.inference_mode()
@@ -117,15 +128,18 @@ def vllm_acceptance(model_path: str, draft_dir: str | Path, prompts: list[list[i
     return result
 
 
-def evaluate_draft(model_path: str, draft_dir: str | Path, held_out: Sequence[dict], tokenizer,
-                   eval_config: EvalConfig, aux_layer_ids: Sequence[int] | None = None
+def evaluate_draft(model_path: str, draft_dir: str | Path,
+                   held_out: Sequence[list[dict[str, str]]], tokenizer, eval_config: EvalConfig,
                    ) -> dict[str, Any]:
-    """Acceptance of the trained draft and of an untrained one, both ways (see module doc)."""
+    """Acceptance of the trained draft and of an untrained one, both ways (see module doc), on
+    the target the draft was exported for (its aux layer ids), loaded from `model_path`."""
     import tempfile
 
-    from eagle_ray.draft.export import export_draft
+    from eagle_ray.draft.export import export_draft, exported_target
 
-    target = HFEagle3TargetModel.from_pretrained(model_path, aux_layer_ids, dtype=torch.float32)
+    served = exported_target(draft_dir)
+    target = HFEagle3TargetModel.from_pretrained(model_path, list(served.aux_layer_ids),
+                                                 dtype=torch.float32)
     prompts = prompt_ids(held_out[:eval_config.prompts], tokenizer)
     if not prompts:
         raise ValueError("evaluation needs held-out prompts (data.eval_samples > 0)")
@@ -142,8 +156,7 @@ def evaluate_draft(model_path: str, draft_dir: str | Path, held_out: Sequence[di
     if eval_config.vllm:
         reference = [greedy_generate(target, p, n) for p in prompts]
         with tempfile.TemporaryDirectory() as tmp:
-            untrained_dir = export_draft(untrained, vocab, aux_layer_ids or target.aux_layer_ids,
-                                         target.num_hidden_layers, Path(tmp) / "untrained")
+            untrained_dir = export_draft(untrained, vocab, served, Path(tmp) / "untrained")
             for name, path in (("trained", draft_dir), ("untrained", untrained_dir)):
                 result = vllm_acceptance(model_path, path, prompts, k, n, reference)
                 report[f"vllm_acceptance_{name}"] = result["mean_acceptance_length"]

@@ -9,6 +9,7 @@ accept it (head_dim 64) and the default aux ids are valid. Tests and benchmarks 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -22,9 +23,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 KIT_VERSION = 2  # bump when anything below changes what gets built
-ARCHITECTURES = ("llama", "qwen3")
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>",
-                  "<|end|>"]
+ARCHITECTURES = ("llama", "qwen3", "mistral")
 # Assistant turns sit inside {% generation %} so `return_assistant_tokens_mask` marks them.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -35,6 +34,28 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSpec:
+    """The special tokens and chat template of a locally trained tokenizer: the kit's own, or
+    one shaped like a model family's (for tests against stock chat templates)."""
+
+    special_tokens: tuple[str, ...]
+    eos_token: str
+    chat_template: str
+    bos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    # Word boundaries as SentencePiece marks them ("▁word", Llama-2 / Mistral style) instead
+    # of byte-level BPE's (GPT-2 / Llama-3 / Qwen style).
+    metaspace: bool = False
+
+
+KIT_TOKENIZER = TokenizerSpec(
+    special_tokens=("<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>",
+                    "<|end|>"),
+    eos_token="<|eos|>", bos_token="<|bos|>", pad_token="<|pad|>", chat_template=CHAT_TEMPLATE)
 
 LM_HEAD_STD = 0.3
 
@@ -99,30 +120,39 @@ def tiny_chat_dataset(num_samples: int = 256, seed: int = 0) -> Path:
     return path
 
 
-def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
-    """A byte-level BPE tokenizer trained on generated chat text, with a chat template."""
+def build_tokenizer(vocab_size: int = 1024, seed: int = 0, spec: TokenizerSpec = KIT_TOKENIZER):
+    """A BPE tokenizer trained on generated chat text, with `spec`'s special tokens and chat
+    template (the kit's own by default)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     text = []
     for sample in generate_chat_samples(2000, seed):
         text.extend(m["content"] for m in sample["messages"])
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    tokenizer = Tokenizer(models.BPE(unk_token=spec.unk_token))
+    if spec.metaspace:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        tokenizer.decoder = decoders.Metaspace()
+        # Every printable ASCII character and newline, so no text a template writes is lost.
+        alphabet = [chr(c) for c in range(32, 127)] + ["\n", "\u2581"]
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(spec.special_tokens),
+                                  initial_alphabet=alphabet, show_progress=False)
     tokenizer.train_from_iterator(text, trainer=trainer)
+    named = {"bos_token": spec.bos_token, "pad_token": spec.pad_token,
+             "unk_token": spec.unk_token}
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<|bos|>", eos_token="<|eos|>",
-        pad_token="<|pad|>", chat_template=CHAT_TEMPLATE,
+        tokenizer_object=tokenizer, eos_token=spec.eos_token, chat_template=spec.chat_template,
+        **{name: token for name, token in named.items() if token is not None},
     )
 
 
 def tiny_target_config(arch: str, vocab_size: int, num_layers: int = 8):
     """Config of the tiny target: hidden 128, 2 heads of dim 64, `num_layers` layers."""
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
@@ -136,17 +166,30 @@ def tiny_target_config(arch: str, vocab_size: int, num_layers: int = 8):
         return LlamaConfig(**common)
     if arch == "qwen3":
         return Qwen3Config(**common)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=None)
     raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES}")
 
 
 def build_tiny_target(path: str | Path, arch: str = "llama", num_layers: int = 8,
-                      seed: int = 0) -> Path:
-    """Build the tiny target (random fp32 weights, seeded) and its tokenizer into `path`."""
+                      seed: int = 0, tokenizer_spec: TokenizerSpec = KIT_TOKENIZER,
+                      vocab_size: int | None = None) -> Path:
+    """Build a tiny target (random fp32 weights, seeded) and its tokenizer into `path`.
+
+    `vocab_size` larger than the tokenizer pads the model's vocabulary, as Qwen checkpoints do
+    (ids past the tokenizer exist in the embedding and head but no text produces them).
+    """
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    tokenizer = build_tokenizer(seed=seed)
-    config = tiny_target_config(arch, len(tokenizer), num_layers)
+    tokenizer = build_tokenizer(seed=seed, spec=tokenizer_spec)
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer "
+                         f"({len(tokenizer)} tokens)")
+    config = tiny_target_config(arch, vocab_size or len(tokenizer), num_layers)
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # A wide head makes the random target's next-token distributions peaked, as a trained LM's

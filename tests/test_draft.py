@@ -5,8 +5,14 @@ import json
 import pytest
 import torch
 
-from eagle_ray.draft.export import export_draft, load_exported_draft, validate_export
+from eagle_ray.draft.export import (
+    export_draft,
+    exported_target,
+    load_exported_draft,
+    validate_export,
+)
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
+from eagle_ray.identity import TargetIdentity
 from eagle_ray.supervision import DraftVocab, draft_target
 from eagle_ray.testing import random_micro_batch
 
@@ -16,6 +22,11 @@ def setup(hf_llama):
     vocab = DraftVocab.from_token_counts(torch.arange(hf_llama.vocab_size) % 5 + 1, 128)
     config = DraftConfig.from_target(hf_llama.model.config, vocab.size)
     return hf_llama, vocab, config
+
+
+@pytest.fixture(scope="module")
+def served(hf_llama, llama_path):
+    return TargetIdentity.of_backend(hf_llama, str(llama_path))
 
 
 def test_ttt_training_on_the_tiny_target_lowers_the_loss(setup):
@@ -56,12 +67,13 @@ def test_later_ttt_steps_attend_to_their_own_diagonal_only(setup):
     assert not torch.equal(base[1][0, 2], other[1][0, 2])
 
 
-def test_export_round_trips_and_writes_vllm_layer_ids(setup, tmp_path):
+def test_export_round_trips_and_writes_vllm_layer_ids(setup, served, tmp_path):
     target, vocab, config = setup
     draft = Eagle3Draft(config, target.get_input_embeddings().weight.detach())
-    out = export_draft(draft, vocab, target.aux_layer_ids, target.num_hidden_layers, tmp_path)
+    out = export_draft(draft, vocab, served, tmp_path)
     exported = json.loads((out / "config.json").read_text())
     assert exported["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in target.aux_layer_ids]
+    assert exported_target(out) == served
     assert exported["architectures"] == ["LlamaForCausalLMEagle3"]
     assert exported["vocab_size"] == target.vocab_size
     loaded, loaded_vocab = load_exported_draft(out, target.get_input_embeddings().weight)
@@ -70,27 +82,38 @@ def test_export_round_trips_and_writes_vllm_layer_ids(setup, tmp_path):
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
-def test_export_validation_catches_what_vllm_would_not(setup, tmp_path):
+def test_export_validation_catches_what_vllm_would_not(setup, served, tmp_path):
     from safetensors.torch import load_file, save_file
 
     target, vocab, config = setup
     draft = Eagle3Draft(config, target.get_input_embeddings().weight.detach())
-    out = export_draft(draft, vocab, target.aux_layer_ids, target.num_hidden_layers, tmp_path)
+    out = export_draft(draft, vocab, served, tmp_path)
     weights = load_file(str(out / "model.safetensors"))
-    args = dict(target_vocab_size=target.vocab_size,
-                target_hidden_size=config.target_hidden_size,
-                target_num_layers=target.num_hidden_layers)
 
     save_file({**weights, "d2t": vocab.draft_to_target.clone()}, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match="d2t maps draft ids outside|ascending"):
-        validate_export(out, **args)  # absolute ids instead of offsets
+        validate_export(out, served)  # absolute ids instead of offsets
     fc = weights["fc.weight"][:, : 2 * config.target_hidden_size].contiguous()
     save_file({**weights, "fc.weight": fc}, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match="fc.weight has shape"):
-        validate_export(out, **args)
+        validate_export(out, served)
     save_file(weights, str(out / "model.safetensors"))
     exported = json.loads((out / "config.json").read_text())
-    exported["eagle_aux_hidden_state_layer_ids"] = [5, 2, 4]
-    (out / "config.json").write_text(json.dumps(exported))
-    with pytest.raises(ValueError, match="three ascending ids"):
-        validate_export(out, **args)
+    for wrong in ([5, 2, 4], [1, 3, 4]):  # unordered; ordered but not the captured layers
+        (out / "config.json").write_text(json.dumps(
+            {**exported, "eagle_aux_hidden_state_layer_ids": wrong}))
+        with pytest.raises(ValueError, match="not the layers the target was captured at"):
+            validate_export(out, served)
+
+
+def test_a_full_vocabulary_draft_exports_without_d2t(setup, served, tmp_path):
+    target, _, _ = setup
+    full = DraftVocab(torch.arange(target.vocab_size), target.vocab_size)
+    config = DraftConfig.from_target(target.model.config, full.size)
+    draft = Eagle3Draft(config, target.get_input_embeddings().weight.detach())
+    out = export_draft(draft, full, served, tmp_path)
+    from safetensors.torch import load_file
+
+    assert not {"d2t", "t2d"} & set(load_file(str(out / "model.safetensors")))
+    loaded, loaded_vocab = load_exported_draft(out, target.get_input_embeddings().weight)
+    assert torch.equal(loaded_vocab.draft_to_target, full.draft_to_target)

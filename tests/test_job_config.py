@@ -11,7 +11,7 @@ from eagle_ray.train import check_paths
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "gpu-8b.yaml"])
+@pytest.mark.parametrize("name", ["tiny.yaml", "llama3.1-8b.yaml", "qwen3-8b.yaml"])
 def test_example_configs_load(name):
     config = load_yaml(JobConfig, ROOT / "examples" / name)
     assert config.train.workers >= 1

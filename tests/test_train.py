@@ -4,32 +4,29 @@ One training run (module fixture) backs the assertions; a second run resumes fro
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import ray
 
-from eagle_ray.config import JobConfig, from_dict
+from eagle_ray.config import JobConfig, load_yaml
 from eagle_ray.train import run_job
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
 
 STEPS = 60
 
 
-def job(output_dir, **overrides) -> JobConfig:
-    config = {
-        "target": {"dtype": "float32", "name": "train-test", "namespace": "eagle_ray_test"},
-        "data": {"num_samples": 200, "eval_samples": 8, "micro_batch_size": 8},
-        "train": {"workers": 2, "steps": STEPS, "checkpoint_every": 30, "log_every": 10,
-                  "warmup_steps": 10},
-        "eval": {"prompts": 6, "max_new_tokens": 24, "num_speculative_tokens": 3},
-        "output_dir": str(output_dir),
-        "run_name": "train-test",
-    }
-    for key, value in overrides.items():
-        section, _, leaf = key.partition("__")
-        config.setdefault(section, {})[leaf] = value
-    return from_dict(JobConfig, config)
+def job(output_dir, *overrides: str) -> JobConfig:
+    """The main job's config (examples/tiny.yaml), shortened for a test."""
+    return load_yaml(JobConfig, ROOT / "examples" / "tiny.yaml", [
+        "target.name=train-test", "target.namespace=eagle_ray_test", "data.num_samples=200",
+        "data.eval_samples=8", f"train.steps={STEPS}", "train.checkpoint_every=30",
+        "train.log_every=10", "train.warmup_steps=10", "eval.prompts=6",
+        "eval.max_new_tokens=24", f"output_dir={output_dir}", "run_name=train-test",
+        *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +72,13 @@ def test_export_is_a_servable_draft_folder(trained):
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # canonical [1, 3, 4] + 1
     assert config["draft_vocab_size"] == 256
     assert (output_dir / "draft_vocab.json").exists()
-    assert summary["dropped_too_long"] == 0 and summary["micro_batches"] > 0
+    assert summary["data"]["truncated"] == summary["data"]["dropped_no_answer"] == 0
+    assert summary["micro_batches"] > 0
 
 
 def test_rerun_resumes_the_step_count_and_the_loss_curve(trained):
     output_dir, _, first = trained
-    run_job(job(output_dir, train__steps=STEPS + 20, eval__enabled=False))
+    run_job(job(output_dir, f"train.steps={STEPS + 20}", "eval.enabled=false"))
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     resumed = metrics[len(first):]
     assert [m["step"] for m in resumed] == [STEPS + 10, STEPS + 20]

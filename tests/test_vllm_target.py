@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.target_head import TargetHead
@@ -33,6 +34,18 @@ def vllm_llama(llama_path):
 def vllm_qwen3(qwen3_path):
     target = VLLMEagle3TargetModel.from_pretrained(qwen3_path, dtype="float32", multiprocess=True)
     yield target
+    target.shutdown()
+
+
+@pytest.fixture(scope="module")
+def padded_qwen3(family_checkpoints):
+    """The Qwen3-shaped checkpoint (vocabulary padded past its tokenizer) on an engine that splits
+    prompts into 64-token prefill chunks, and its HF reference."""
+    path = family_checkpoints["qwen3"]
+    target = VLLMEagle3TargetModel.from_pretrained(
+        path, dtype="float32", multiprocess=True,
+        vllm_kwargs={"max_num_batched_tokens": 64, "max_num_seqs": 8})
+    yield target, HFEagle3TargetModel.from_pretrained(path, dtype=torch.float32)
     target.shutdown()
 
 
@@ -62,6 +75,25 @@ def test_qwen3_equals_hf(vllm_qwen3, hf_qwen3):
     batch_args = random_micro_batch(vllm_qwen3.vocab_size, (12, 40, 7))
     assert_matches_reference(vllm_qwen3.generate_batch(*batch_args),
                              hf_qwen3.generate_batch(*batch_args), hf_qwen3.get_target_head())
+
+
+def test_padded_vocabulary_qwen3_equals_hf(padded_qwen3, family_checkpoints):
+    target, reference = padded_qwen3
+    tokenizer_size = len(AutoTokenizer.from_pretrained(family_checkpoints["qwen3"]))
+    assert target.vocab_size == 1088 > tokenizer_size
+    batch_args = random_micro_batch(target.vocab_size, (12, 40, 7), seed=5)
+    assert int(batch_args[0].max()) >= tokenizer_size, "ids in the padded range are served too"
+    assert_matches_reference(target.generate_batch(*batch_args),
+                             reference.generate_batch(*batch_args), reference.get_target_head())
+
+
+def test_rows_longer_than_a_prefill_chunk_equal_hf(padded_qwen3):
+    target, reference = padded_qwen3
+    # Up to the longest row the target accepts, each split into 64-token chunks by vLLM.
+    lengths = (target.max_length, 130, 65)
+    batch_args = random_micro_batch(target.vocab_size, lengths, seed=6)
+    assert_matches_reference(target.generate_batch(*batch_args),
+                             reference.generate_batch(*batch_args), reference.get_target_head())
 
 
 def test_repeated_calls_give_the_same_result_and_leave_nothing_behind(vllm_llama):

@@ -7,17 +7,25 @@ Every key is documented in the README ("Job config keys"); unknown keys and wron
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from eagle_ray.config.pool import PoolConfig
+
+# Defaults follow the public EAGLE-3 recipes for 8B-class targets (SpecForge: lr 1e-4, 7 TTT
+# steps, grad norm 0.5, 2048 tokens, 32k draft vocabulary); examples/tiny.yaml sets the tiny
+# target's own values.
 
 
 @dataclasses.dataclass
 class DataConfig:
-    path: str | None = None  # chat JSONL ({"messages": [...]}); None: generated tiny chat data
+    # Chat JSONL: {"messages": [{"role", "content"}]} or ShareGPT {"conversations": [{"from",
+    # "value"}]} per line; None: the built-in generated chat data.
+    path: str | None = None
     num_samples: int = 320  # generated data only
-    max_length: int = 256  # longer conversations are dropped (and counted)
+    max_length: int = 2048  # tokens per row (capped at what the target accepts)
+    overlong: Literal["truncate", "drop"] = "truncate"  # rows over max_length (counted)
     micro_batch_size: int = 8
-    draft_vocab_size: int = 256
+    draft_vocab_size: int = 32000  # = the target's vocabulary: a full-vocabulary draft
     eval_samples: int = 16  # the last N conversations are held out for evaluation
 
 
@@ -29,11 +37,11 @@ class TrainConfig:
     # Custom resources per worker, e.g. {trainer_node: 1} to keep trainers off target GPUs.
     worker_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     steps: int = 200
-    lr: float = 3e-3
+    lr: float = 1e-4
     warmup_steps: int = 20
     weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    ttt_steps: int = 3
+    grad_clip: float = 0.5
+    ttt_steps: int = 7
     prefetch: int = 4  # micro-batches each worker keeps in flight at the pool
     checkpoint_every: int = 50
     log_every: int = 10

@@ -1,14 +1,16 @@
 """Export a trained draft as the HF folder vLLM's EAGLE-3 loader reads, and check it.
 
 vLLM validates almost none of this and fails silently (low acceptance) on a wrong layer id, a
-missing `d2t` or a wrong `fc` width, so the export checks its own output before anyone serves it.
+missing `d2t` or a wrong `fc` width, so the export checks its own output against the target the
+draft was trained on (`TargetIdentity`, recorded in `config.json` as `eagle_ray_target`) before
+anyone serves it. A full-vocabulary draft (`draft_vocab_size` = the target's vocabulary) carries no
+`d2t`/`t2d`: vLLM then maps draft ids to target ids one to one, and refuses a `d2t`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -16,22 +18,29 @@ from safetensors.torch import load_file, save_file
 
 from eagle_ray.aux_layers import vllm_capture_layer_ids
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft
+from eagle_ray.identity import TargetIdentity
 from eagle_ray.supervision import DraftVocab
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
+TARGET_KEY = "eagle_ray_target"  # config.json: the TargetIdentity the draft was trained against
 
 
-def export_draft(draft: Eagle3Draft, vocab: DraftVocab, aux_layer_ids: Sequence[int],
-                 target_num_layers: int, out_dir: str | Path) -> Path:
-    """Write `config.json` + `model.safetensors` (+ `t2d`, `d2t`) and validate them."""
+def serving_layer_ids(target: TargetIdentity) -> list[int]:
+    """The target's canonical aux ids in vLLM's pre-layer convention, without the final-state id
+    `N` (only the capture needs it)."""
+    return vllm_capture_layer_ids(target.aux_layer_ids, target.num_hidden_layers)[:-1]
+
+
+def export_draft(draft: Eagle3Draft, vocab: DraftVocab, target: TargetIdentity,
+                 out_dir: str | Path) -> Path:
+    """Write `config.json` + `model.safetensors` (+ `d2t`, `t2d` unless full-vocabulary) for the
+    `target` the draft was trained against, and validate them."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     c = draft.config
-    # The same canonical ids the target pool captured, in vLLM's pre-layer convention (without
-    # the final-state id N, which only the capture needs).
-    serving_ids = vllm_capture_layer_ids(aux_layer_ids, target_num_layers)[:-1]
+    serving_ids = serving_layer_ids(target)
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -54,22 +63,22 @@ def export_draft(draft: Eagle3Draft, vocab: DraftVocab, aux_layer_ids: Sequence[
         "eagle_aux_hidden_state_layer_ids": serving_ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": serving_ids,
                          "use_aux_hidden_state": True},
+        TARGET_KEY: target.to_dict(),
     }
     state = {name: t.detach().cpu().contiguous() for name, t in draft.state_dict().items()
              if not name.startswith("embed_tokens.")}  # vLLM shares the target's embedding
-    state["d2t"] = vocab.d2t.clone()
-    state["t2d"] = vocab.t2d.clone()
+    if vocab.size != target.vocab_size:
+        state["d2t"] = vocab.d2t.clone()
+        state["t2d"] = vocab.t2d.clone()
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(state, str(out / WEIGHTS_FILE))
-    validate_export(out, target_vocab_size=c.vocab_size, target_hidden_size=c.target_hidden_size,
-                    target_num_layers=target_num_layers)
+    validate_export(out, target)
     logger.info("exported draft to %s (aux ids %s in vLLM's convention)", out, serving_ids)
     return out
 
 
-def validate_export(path: str | Path, target_vocab_size: int, target_hidden_size: int,
-                    target_num_layers: int) -> None:
-    """Raise ValueError on anything vLLM would load silently and serve badly."""
+def validate_export(path: str | Path, target: TargetIdentity) -> None:
+    """Raise ValueError on anything vLLM would load silently and serve badly for `target`."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     weights = load_file(str(path / WEIGHTS_FILE))
@@ -77,8 +86,9 @@ def validate_export(path: str | Path, target_vocab_size: int, target_hidden_size
     hidden, draft_vocab = config["hidden_size"], config["draft_vocab_size"]
     heads, kv_heads, head_dim = (config["num_attention_heads"], config["num_key_value_heads"],
                                  config["head_dim"])
+    full_vocabulary = draft_vocab == target.vocab_size
     expected = {
-        "fc.weight": (hidden, 3 * target_hidden_size),
+        "fc.weight": (hidden, 3 * target.hidden_size),
         "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
         "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
         "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
@@ -91,7 +101,7 @@ def validate_export(path: str | Path, target_vocab_size: int, target_hidden_size
         "midlayer.post_attention_layernorm.weight": (hidden,),
         "norm.weight": (hidden,),
         "lm_head.weight": (draft_vocab, hidden),
-        "d2t": (draft_vocab,),
+        **({} if full_vocabulary else {"d2t": (draft_vocab,)}),
     }
     for name, shape in expected.items():
         if name not in weights:
@@ -99,25 +109,37 @@ def validate_export(path: str | Path, target_vocab_size: int, target_hidden_size
         elif tuple(weights[name].shape) != shape:
             problems.append(f"{name} has shape {list(weights[name].shape)}, expected {list(shape)}")
     ids = config.get("eagle_aux_hidden_state_layer_ids") or []
-    if len(ids) != 3 or ids != sorted(set(ids)) or not all(1 <= i < target_num_layers
-                                                           for i in ids):
-        problems.append(f"eagle_aux_hidden_state_layer_ids {ids} must be three ascending ids in "
-                        f"[1, {target_num_layers}) (vLLM's pre-layer convention)")
-    if config["vocab_size"] != target_vocab_size:
+    if ids != serving_layer_ids(target):
+        problems.append(f"eagle_aux_hidden_state_layer_ids {ids} are not the layers the target "
+                        f"was captured at: canonical {list(target.aux_layer_ids)} = "
+                        f"{serving_layer_ids(target)} in vLLM's pre-layer convention")
+    if config["vocab_size"] != target.vocab_size:
         problems.append(f"vocab_size {config['vocab_size']} is not the target's "
-                        f"{target_vocab_size}")
-    if "d2t" in weights:
+                        f"{target.vocab_size}")
+    if draft_vocab > target.vocab_size:
+        problems.append(f"draft_vocab_size {draft_vocab} exceeds the target's vocabulary")
+    if full_vocabulary and "d2t" in weights:
+        problems.append("a full-vocabulary draft carries d2t, which vLLM refuses to load")
+    if "d2t" in weights and not full_vocabulary:
         d2t = weights["d2t"]
         if d2t.dtype != torch.int64:
             problems.append(f"d2t must be int64 offsets, got {d2t.dtype}")
         target_ids = torch.arange(d2t.numel()) + d2t
-        if target_ids.min() < 0 or target_ids.max() >= target_vocab_size:
+        if target_ids.min() < 0 or target_ids.max() >= target.vocab_size:
             problems.append("d2t maps draft ids outside the target vocabulary (offsets expected: "
                             "target_id = draft_id + d2t[draft_id])")
         if not torch.all(target_ids[1:] > target_ids[:-1]):
             problems.append("d2t does not map to distinct ascending target ids")
     if problems:
         raise ValueError(f"draft export {path} is not servable: " + "; ".join(problems))
+
+
+def exported_target(path: str | Path) -> TargetIdentity:
+    """The target an exported draft was trained against (`config.json`'s `eagle_ray_target`)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    if TARGET_KEY not in config:
+        raise ValueError(f"{path} has no {TARGET_KEY} in config.json: not exported by eagle_ray")
+    return TargetIdentity.from_dict(config[TARGET_KEY])
 
 
 def load_exported_draft(path: str | Path, embedding_weight: torch.Tensor
@@ -134,7 +156,7 @@ def load_exported_draft(path: str | Path, embedding_weight: torch.Tensor
         rope_theta=config["rope_theta"],
         max_position_embeddings=config["max_position_embeddings"])
     weights = load_file(str(path / WEIGHTS_FILE))
-    d2t = weights.pop("d2t")
+    d2t = weights.pop("d2t", torch.zeros(config["draft_vocab_size"], dtype=torch.int64))
     weights.pop("t2d", None)
     draft = Eagle3Draft(draft_config, embedding_weight)
     draft.load_state_dict({**weights, "embed_tokens.weight": embedding_weight})

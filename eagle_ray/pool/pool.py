@@ -10,6 +10,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
+from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.client import PoolClient
 from eagle_ray.pool.placement import (
     create_replica_placement_group,
@@ -141,6 +142,12 @@ class TargetPool:
     def status(self) -> dict[str, Any]:
         """The router's view: per replica state, outstanding tokens, tokens/s, errors, restarts."""
         return ray.get(self.router.status.remote())
+
+    def identity(self, timeout_s: float = 600.0) -> TargetIdentity:
+        """What the pool serves (checkpoint, fingerprint, layers, vocabulary, aux ids), as a
+        ready replica reports it; waits up to `timeout_s` for one."""
+        info = ray.get(self.router.target_info.remote(timeout_s))
+        return TargetIdentity.from_dict(info["identity"])
 
     def client(self, config: ClientConfig | None = None) -> PoolClient:
         """A client for this process (training workers use `PoolClient.connect` instead)."""

@@ -13,6 +13,7 @@ import ray
 import torch
 
 from eagle_ray.config.pool import PoolConfig
+from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.transport import batch_to_numpy
 from eagle_ray.target_batch import validate_micro_batch
 from eagle_ray.target_runner import RunnerEagle3TargetModel, SelfCheckError
@@ -20,13 +21,19 @@ from eagle_ray.target_runner import RunnerEagle3TargetModel, SelfCheckError
 logger = logging.getLogger(__name__)
 
 
+def resolve_model_path(config: PoolConfig) -> str | None:
+    """The checkpoint a replica serves: the configured one, the built-in tiny Llama when none is
+    configured, nothing for a factory backend without a path."""
+    if config.model_path is not None or ":" in config.backend:
+        return config.model_path
+    from eagle_ray.tiny import tiny_target
+
+    return str(tiny_target("llama"))
+
+
 def build_backend(config: PoolConfig) -> RunnerEagle3TargetModel:
     """The backend a replica owns, from the pool config."""
-    model_path = config.model_path
-    if model_path is None:
-        from eagle_ray.tiny import tiny_target
-
-        model_path = str(tiny_target("llama"))
+    model_path = resolve_model_path(config)
     dtype = None if config.dtype == "auto" else config.dtype
     if config.backend == "vllm":
         from eagle_ray.vllm_target import VLLMEagle3TargetModel
@@ -62,6 +69,7 @@ class TargetReplica:
         self.index = index
         self.started = time.time()
         self.backend = build_backend(config)
+        self.identity = TargetIdentity.of_backend(self.backend, resolve_model_path(config))
         self.served_tokens = 0
         self.served_micro_batches = 0
         logger.info("replica %d ready on node %s", index,
@@ -80,6 +88,7 @@ class TargetReplica:
             "vocab_size": self.backend.vocab_size,
             "max_length": self.backend.max_length,
             "aux_layer_ids": self.backend.aux_layer_ids,
+            "identity": self.identity.to_dict(),
             "served_tokens": self.served_tokens,
             "served_micro_batches": self.served_micro_batches,
         }

@@ -1,0 +1,116 @@
+"""What a target serves, as one record: the link between the pool, the training job and the export.
+
+A draft is only as good as the agreement between the target that produced its supervision and the
+target that serves it: another checkpoint, other aux layer ids, or another vocabulary make vLLM
+feed the draft inputs it never saw, and acceptance collapses with no error. So every replica
+reports a `TargetIdentity`, a job checks it against its own target settings before training
+(`check_job_target`), and the export writes it into the draft's config.
+
+The checkpoint fingerprint hashes `config.json` (without fields that name the writer) and, per
+safetensors file, its header (tensor names, dtypes, shapes) plus the first MiB of weights: the
+same checkpoint copied elsewhere keeps its fingerprint; another architecture, size, vocabulary or
+fine-tune of it does not. Reading it costs milliseconds, not a pass over the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from eagle_ray.config.loader import ConfigError
+
+if TYPE_CHECKING:
+    from eagle_ray.config.pool import PoolConfig
+    from eagle_ray.target_runner import RunnerEagle3TargetModel
+
+WEIGHT_SAMPLE_BYTES = 1 << 20
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetIdentity:
+    """What a replica serves. `fingerprint` is empty for a backend without a checkpoint."""
+
+    model_path: str
+    fingerprint: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int  # the checkpoint's (padded) vocabulary: what logits, d2t and t2d index
+    aux_layer_ids: tuple[int, ...]  # canonical (post-layer) ids
+    encoding: str
+    dtype: str
+    max_length: int | None  # longest row the target accepts
+
+    @classmethod
+    def of_backend(cls, backend: RunnerEagle3TargetModel, model_path: str | None
+                   ) -> TargetIdentity:
+        has_checkpoint = model_path is not None and (Path(model_path) / "config.json").exists()
+        return cls(
+            model_path=str(model_path) if model_path else "",
+            fingerprint=checkpoint_fingerprint(model_path) if has_checkpoint else "",
+            num_hidden_layers=backend.num_hidden_layers,
+            hidden_size=backend.get_input_embeddings().weight.shape[1],
+            vocab_size=backend.vocab_size,
+            aux_layer_ids=tuple(backend.aux_layer_ids),
+            encoding=backend.encoding,
+            dtype=str(backend.get_target_head().lm_head.weight.dtype).removeprefix("torch."),
+            max_length=backend.max_length,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "aux_layer_ids": list(self.aux_layer_ids)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TargetIdentity:
+        return cls(**{**data, "aux_layer_ids": tuple(data["aux_layer_ids"])})
+
+    def describe(self) -> str:
+        return (f"{self.model_path or 'a checkpoint-less backend'} (fingerprint "
+                f"{self.fingerprint[:12] or '-'}, {self.num_hidden_layers} layers, hidden "
+                f"{self.hidden_size}, vocabulary {self.vocab_size}, aux layer ids "
+                f"{list(self.aux_layer_ids)}, {self.dtype}, {self.encoding})")
+
+
+def checkpoint_fingerprint(model_path: str | Path) -> str:
+    """A short hash that tells checkpoints apart (see the module docstring)."""
+    root = Path(model_path)
+    config = json.loads((root / "config.json").read_text())
+    for key in _VOLATILE_CONFIG_KEYS:
+        config.pop(key, None)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for weights in sorted(root.glob("*.safetensors")):
+        with open(weights, "rb") as f:
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            digest.update(f.read(header_size))
+            digest.update(f.read(WEIGHT_SAMPLE_BYTES))
+    return digest.hexdigest()[:32]
+
+
+def check_job_target(target: PoolConfig, served: TargetIdentity) -> None:
+    """Stop a job whose target settings disagree with what the pool serves.
+
+    Settings the job left unset (`model_path`, `aux_layer_ids` None, `dtype` "auto") adopt the
+    pool's. The encoding is not compared: the trainer decodes every encoding the same way.
+    """
+    problems = []
+    if target.model_path is not None:
+        own = checkpoint_fingerprint(target.model_path) if (
+            Path(target.model_path) / "config.json").exists() else ""
+        if own != served.fingerprint:
+            problems.append(f"target.model_path {target.model_path} is another checkpoint "
+                            f"(fingerprint {own[:12] or '-'})")
+    if target.aux_layer_ids is not None and tuple(target.aux_layer_ids) != served.aux_layer_ids:
+        problems.append(f"target.aux_layer_ids {target.aux_layer_ids} differ from the pool's "
+                        f"{list(served.aux_layer_ids)}")
+    if target.dtype != "auto" and target.dtype != served.dtype:
+        problems.append(f"target.dtype {target.dtype} differs from the pool's {served.dtype}")
+    if problems:
+        raise ConfigError(
+            f"the pool {target.name!r} serves {served.describe()}, but " + "; ".join(problems)
+            + ". A draft trained on this pool's supervision would be exported for a target it "
+            "was not trained on. Make the job's target.* settings match the pool (or leave them "
+            "unset to adopt the pool's), or serve the pool with the job's settings.")

@@ -1,0 +1,144 @@
+"""One Ray Train worker of the draft-training job (`eagle_ray.train.run_job` starts them).
+
+Each worker streams its shard's micro-batches through a `PoolClient` -- the in-flight window
+prefetches supervision, so target latency overlaps the draft's compute -- and trains with DDP,
+AdamW, warm-up + cosine decay and gradient clipping; checkpoints go through
+`ray.train.Checkpoint`, and a rerun with the same `run_name` resumes. Rank 0 exports the draft
+for the target the pool served.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle_ray.checkpoint import load_embedding_and_head
+from eagle_ray.config import ClientConfig, JobConfig, TrainConfig, from_dict
+from eagle_ray.draft.export import export_draft
+from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
+from eagle_ray.identity import TargetIdentity
+from eagle_ray.pool import PoolClient
+from eagle_ray.supervision import DraftVocab, draft_target
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "draft_state.pt"
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """One Ray Train worker: stream supervision from the pool, train the draft with DDP."""
+    import ray.train
+    import ray.train.torch
+    from tqdm import tqdm
+    from transformers import AutoConfig
+
+    job = from_dict(JobConfig, loop_config["job"])
+    train = job.train
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    torch.manual_seed(train.seed)
+    device = ray.train.torch.get_device()
+
+    served = TargetIdentity.from_dict(loop_config["target"])
+    target_config = AutoConfig.from_pretrained(loop_config["model_path"])
+    embedding, head = load_embedding_and_head(loop_config["model_path"], torch.float32)
+    head = head.to(device)
+    vocab = DraftVocab(torch.tensor(loop_config["draft_to_target"]), served.vocab_size)
+    draft = Eagle3Draft(DraftConfig.from_target(target_config, vocab.size,
+                                                train.intermediate_size), embedding.weight)
+    model = ray.train.torch.prepare_model(draft)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(train))
+
+    start_step = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as ckpt_dir:
+            state = torch.load(Path(ckpt_dir) / CHECKPOINT_FILE, weights_only=False)
+        draft.load_state_dict(state["draft"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_step = state["step"]
+        logger.info("worker %d resumes at step %d", rank, start_step)
+
+    micro_batches = ray.get(loop_config["micro_batches"])[rank::world]
+    client = PoolClient.connect(job.target.name, job.target.namespace,
+                                ClientConfig(max_inflight_micro_batches=train.prefetch))
+
+    def my_micro_batches():
+        for step in range(start_step, train.steps):
+            yield micro_batches[step % len(micro_batches)]
+
+    metrics_path = Path(loop_config["output_dir"]) / "metrics.jsonl"
+    progress = tqdm(total=train.steps, initial=start_step, disable=rank != 0, desc="draft",
+                    unit="step")
+    # Logged metrics average over the steps since the last log (single steps are noisy).
+    window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
+    window_sums: dict[str, float] = {}
+    window_steps = 0
+    supervision = client.stream(my_micro_batches())
+    for step in range(start_step, train.steps):
+        waited = time.perf_counter()
+        batch = next(supervision).to(device)
+        window_wait += time.perf_counter() - waited
+        probs, position_mask = draft_target(batch, vocab, head)
+        loss, step_losses, step_accuracies = ttt_loss(
+            model, batch.aux_hidden_states.float(), batch.input_ids, batch.attention_mask,
+            batch.loss_mask, probs, position_mask, train.ttt_steps)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        window_tokens += int(batch.attention_mask.sum())
+        window_steps += 1
+        values = {"loss": float(loss.detach()), "grad_norm": float(grad_norm)}
+        values.update({f"loss_{k}": v for k, v in enumerate(step_losses)})
+        values.update({f"acc_{k}": v for k, v in enumerate(step_accuracies)})
+        for name, value in values.items():
+            window_sums[name] = window_sums.get(name, 0.0) + value
+        progress.update(1)
+        done = step + 1
+        if done % train.log_every and done % train.checkpoint_every and done != train.steps:
+            continue
+        elapsed = time.perf_counter() - window_start
+        metrics = {"step": done, "lr": scheduler.get_last_lr()[0],
+                   **{name: total / window_steps for name, total in window_sums.items()},
+                   "supervision_tokens_per_s": window_tokens * world / max(elapsed, 1e-9),
+                   "pool_wait_share": window_wait / max(elapsed, 1e-9)}
+        window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
+        window_sums, window_steps = {}, 0
+        progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}")
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+        if done % train.checkpoint_every == 0 or done == train.steps:
+            with tempfile.TemporaryDirectory() as tmp:
+                if rank == 0:
+                    torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                                "scheduler": scheduler.state_dict(), "step": done},
+                               Path(tmp) / CHECKPOINT_FILE)
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp)
+                                 if rank == 0 else None)
+        else:
+            ray.train.report(metrics)
+    progress.close()
+    if rank == 0:
+        export_draft(draft, vocab, served, Path(loop_config["output_dir"]) / "draft")
+
+
+def _warmup_cosine(train: TrainConfig):
+    def factor(step: int) -> float:
+        if step < train.warmup_steps:
+            return (step + 1) / train.warmup_steps
+        progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return factor
