@@ -14,7 +14,7 @@ import sys
 logger = logging.getLogger("eagle_ray")
 
 BENCHMARKS = ["encodings", "backends", "handoff", "engine-start", "pool", "router", "scaling",
-              "transport", "train"]
+              "transport", "train", "soak"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -76,15 +76,11 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _connect(address: str, namespace: str) -> None:
-    import ray
-
-    # The pool's placement groups are named in its namespace: join it to find them.
-    ray.init(address=address, namespace=namespace, log_to_driver=False)
-
-
 def _serve(args: argparse.Namespace) -> int:
-    """Start a detached, shared pool on a running cluster and wait until it is ready."""
+    """Start a detached, shared pool on a running cluster and wait until it is ready. The cluster
+    must authenticate clients with a token (Ray's `RAY_AUTH_MODE=token`) unless
+    --allow-insecure."""
+    from eagle_ray.cluster import connect, require_authenticated_cluster
     from eagle_ray.config import PoolConfig, apply_overrides, from_dict, load_yaml
     from eagle_ray.pool import TargetPool
 
@@ -93,7 +89,8 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         config = from_dict(PoolConfig, apply_overrides({}, args.overrides))
     config.detached = True
-    _connect(args.address, config.namespace)
+    connect(args.address, config.namespace)
+    require_authenticated_cluster(args.allow_insecure)
     pool = TargetPool.create(config)
     print(json.dumps(pool.status(), indent=2))
     logger.info("pool %r is serving in namespace %r; `eagle-ray status --name %s` shows it, "
@@ -104,18 +101,20 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     """Print a running pool's status as JSON: per replica state, load, tokens/s, restarts."""
+    from eagle_ray.cluster import connect
     from eagle_ray.pool import TargetPool
 
-    _connect(args.address, args.namespace)
+    connect(args.address, args.namespace)
     print(json.dumps(TargetPool.connect(args.name, args.namespace).status(), indent=2))
     return 0
 
 
 def _shutdown(args: argparse.Namespace) -> int:
     """Remove a running pool: kill its replicas and router, remove its placement groups."""
+    from eagle_ray.cluster import connect
     from eagle_ray.pool import TargetPool
 
-    _connect(args.address, args.namespace)
+    connect(args.address, args.namespace)
     TargetPool.connect(args.name, args.namespace).shutdown()
     return 0
 
@@ -159,6 +158,10 @@ def _bench(args: argparse.Namespace) -> int:
         from eagle_ray.bench import train
 
         train.run(str(tiny_target(args.arch)))
+    elif which == "soak":
+        from eagle_ray.bench import soak
+
+        soak.run(minutes=args.minutes)
     return 0
 
 
@@ -198,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = command("serve", _serve, "start a detached, shared pool on a running cluster")
     serve.add_argument("--config", help="pool config YAML (keys: see README)")
     serve.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    serve.add_argument("--allow-insecure", action="store_true",
+                       help="serve on a cluster without token authentication")
     serve.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. replicas=2 vllm_kwargs.max_model_len=4096")
 
@@ -208,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("which", choices=BENCHMARKS, help="which benchmark (see README)")
     bench.add_argument("--arch", default="llama", choices=["llama", "qwen3"],
                        help="tiny target architecture")
+    bench.add_argument("--minutes", type=float, default=1.0,
+                       help="soak: length of each phase (fault-free, then with faults)")
     return parser
 
 
@@ -221,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, PermissionError) as e:
         logger.error("%s", e, exc_info=args.verbose)
         return 2
 

@@ -6,13 +6,19 @@ main job uses is `eagle_ray.tiny`.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 from torch import nn
 
 from eagle_ray.target_head import TargetHead
-from eagle_ray.target_runner import RunnerEagle3TargetModel, RunnerOutput, TargetRunner
+from eagle_ray.target_runner import (
+    RunnerEagle3TargetModel,
+    RunnerOutput,
+    SelfCheckError,
+    TargetRunner,
+)
 
 
 def random_micro_batch(vocab_size: int, lengths: tuple[int, ...] = (17, 9, 30, 4), seed: int = 0):
@@ -34,13 +40,20 @@ class SyntheticRunner(TargetRunner):
     after a fixed delay, so every result can be checked against its own input."""
 
     def __init__(self, hidden_size: int, seconds_per_call: float, seconds_per_token: float,
-                 fail_once_marker: str | None = None):
+                 fail_once_marker: str | None = None, hold_while: str | None = None,
+                 hold_first_call_only: bool = False, self_check_failure: bool = False):
         self.hidden_size = hidden_size
         self.seconds_per_call = seconds_per_call
         self.seconds_per_token = seconds_per_token
         self.fail_once_marker = fail_once_marker  # file: the first engine to see token 0 fails
+        self.hold_while = hold_while  # file: calls do not return while it exists (a test's gate)
+        self.hold_first_call_only = hold_first_call_only  # only the first call of any replica
+        self.self_check_failure = self_check_failure  # every call fails the self-check
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RunnerOutput:
+        if self.self_check_failure:
+            raise SelfCheckError("synthetic self-check failure: the engine's greedy token is not "
+                                 "the head's argmax (layer-id convention)")
         if self.fail_once_marker and bool((input_ids[attention_mask.bool()] == 0).any()):
             try:
                 with open(self.fail_once_marker, "x"):
@@ -51,9 +64,21 @@ class SyntheticRunner(TargetRunner):
                 raise RuntimeError("synthetic engine failure (fail_once_marker)")
         tokens = int(attention_mask.sum())
         time.sleep(self.seconds_per_call + self.seconds_per_token * tokens)
+        if self.hold_while and (not self.hold_first_call_only or _first(self.hold_while)):
+            while os.path.exists(self.hold_while):
+                time.sleep(0.01)
         return RunnerOutput(aux_hidden_states=synthetic_aux_states(input_ids, self.hidden_size),
                             last_hidden=-input_ids.float().unsqueeze(-1).expand(
                                 *input_ids.shape, self.hidden_size).clone())
+
+
+def _first(path: str) -> bool:
+    """True for the first caller on this machine (across processes) to ask about `path`."""
+    try:
+        with open(f"{path}.first", "x"):
+            return True
+    except FileExistsError:
+        return False
 
 
 def synthetic_aux_states(input_ids: torch.Tensor, hidden_size: int) -> torch.Tensor:
@@ -66,13 +91,13 @@ def fixed_latency_target(config) -> RunnerEagle3TargetModel:
     """Pool backend factory (`backend: "eagle_ray.testing:fixed_latency_target"`).
 
     `backend_kwargs`: `vocab_size` (1024), `hidden_size` (8), `seconds_per_call` (0),
-    `seconds_per_token` (0), `fail_once_marker` (None: never fail).
+    `seconds_per_token` (0), and the fault injections of `SyntheticRunner`: `fail_once_marker`,
+    `hold_while`, `hold_first_call_only`, `self_check_failure`.
     """
     options = {"vocab_size": 1024, "hidden_size": 8, "seconds_per_call": 0.0,
-               "seconds_per_token": 0.0, "fail_once_marker": None, **config.backend_kwargs}
-    vocab, hidden = options["vocab_size"], options["hidden_size"]
-    runner = SyntheticRunner(hidden, options["seconds_per_call"], options["seconds_per_token"],
-                             options["fail_once_marker"])
+               "seconds_per_token": 0.0, **config.backend_kwargs}
+    vocab, hidden = options.pop("vocab_size"), options.pop("hidden_size")
+    runner = SyntheticRunner(hidden, **options)
     return RunnerEagle3TargetModel(
         runner, num_hidden_layers=8, vocab_size=vocab, aux_layer_ids=[1, 3, 4],
         embedding=nn.Embedding(vocab, hidden),

@@ -32,7 +32,7 @@ def run_job(config: JobConfig) -> dict[str, Any]:
     Order matters: the pool comes first, because what it serves (checkpoint, layers, vocabulary,
     longest row) decides how the data is tokenised and what the export says.
     """
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
     from transformers import AutoTokenizer
 
@@ -44,12 +44,14 @@ def run_job(config: JobConfig) -> dict[str, Any]:
     )
     from eagle_ray.identity import check_job_target
     from eagle_ray.pool import TargetPool
+    from eagle_ray.resources import check_job_resources
 
     check_paths(config)
     warn_about_settings(config)
     output_dir = Path(config.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     _init_ray(config)
+    check_job_resources(config)
 
     pool = None if config.use_shared_pool else TargetPool.create(config.target)
     try:
@@ -86,8 +88,12 @@ def run_job(config: JobConfig) -> dict[str, Any]:
                                       **({"GPU": 1} if config.train.use_gpu else {}),
                                       **config.train.worker_resources}),
             torch_config=TorchConfig(backend="nccl" if config.train.use_gpu else "gloo"),
-            run_config=RunConfig(name=config.run_name, storage_path=config.storage_path
-                                 or str(output_dir / "ray_results")),
+            run_config=RunConfig(
+                name=config.run_name,
+                storage_path=config.storage_path or str(output_dir / "ray_results"),
+                failure_config=FailureConfig(
+                    max_failures=config.train.max_failures,
+                    controller_failure_limit=config.train.max_controller_failures)),
         )
         result = trainer.fit()
     finally:

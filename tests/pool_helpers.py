@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import ray
@@ -31,16 +32,21 @@ def micro_batches(count: int, seed: int):
     return [random_micro_batch(VOCAB, (12, 5, 9), seed=seed * 10_000 + i) for i in range(count)]
 
 
-def is_correct(inputs, batch) -> bool:
+def is_correct(inputs, batch, hidden: int = HIDDEN) -> bool:
     """Does `batch` carry the synthetic supervision of exactly these inputs?"""
     ids, attention, _ = inputs
-    expected = synthetic_aux_states(ids, HIDDEN) * attention.unsqueeze(-1)
+    expected = synthetic_aux_states(ids, hidden) * attention.unsqueeze(-1)
     return bool(torch.equal(batch.aux_hidden_states, expected))
 
 
-@ray.remote(num_cpus=0)
+# Every wait on Ray in the tests is bounded, so a regression fails instead of hanging CI.
+TIMEOUT_S = 300
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
 class TrainerStandIn:
-    """A draft-training actor's use of the pool: stream micro-batches, check each result."""
+    """A draft-training actor's use of the pool: stream micro-batches, check each result.
+    `stats()` answers while `run()` streams (two threads)."""
 
     def __init__(self, pool_name: str, **client_config) -> None:
         self.client = PoolClient.connect(pool_name, "eagle_ray_test",
@@ -50,4 +56,18 @@ class TrainerStandIn:
         inputs = micro_batches(count, seed)
         correct = [is_correct(x, b) for x, b in zip(inputs, self.client.stream(inputs),
                                                     strict=True)]
-        return {"correct": correct, "stats": self.client.stats}
+        return {"correct": correct, "stats": dict(self.client.stats)}
+
+    def stats(self) -> dict:
+        return dict(self.client.stats)
+
+
+def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s:.0f}s"
+        time.sleep(0.1)
+
+
+def replica_status(pool: TargetPool, index: int) -> dict:
+    return pool.status()["replicas"][pool.config.replica_name(index)]

@@ -65,6 +65,9 @@ def test_later_ttt_steps_attend_to_their_own_diagonal_only(setup):
     assert torch.equal(base[0], other[0])  # step 0 does not see step 1's tokens
     assert torch.equal(base[1][0, :2], other[1][0, :2])  # earlier slots do not see slot 2
     assert not torch.equal(base[1][0, 2], other[1][0, 2])
+    # ... and later slots do not see it either: a step-1 query attends to step 1's key at its
+    # own slot only (a causal mask over step-1 keys would let slots 3.. see slot 2).
+    assert torch.equal(base[1][0, 3:], other[1][0, 3:])
 
 
 def test_export_round_trips_and_writes_vllm_layer_ids(setup, served, tmp_path):

@@ -57,3 +57,11 @@ def test_cluster_yaml_validates_against_rays_schema():
     broken = {**config, "max_wokers": 3}
     with pytest.raises(Exception, match="max_wokers"):
         validate_config(prepare_config(broken))
+
+
+def test_cluster_yaml_keeps_token_authentication_on():
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands")
+              for c in config[key] if "ray start" in c]
+    assert len(starts) == 2 and all(c.startswith("RAY_AUTH_MODE=token ray start") for c in starts)

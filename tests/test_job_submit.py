@@ -1,13 +1,22 @@
 """Against a local `ray start --head`: `ray job submit` runs a short training job to success,
-and `eagle-ray serve | status | shutdown` manage a shared pool that a job can join."""
+`eagle-ray serve | status | shutdown` manage a shared pool that a job can join, a client
+without the cluster's token cannot reach it, and `serve` refuses a cluster without token
+authentication. Each head is started on free ports in its own temp dir, and only its own
+processes are stopped afterwards (never another Ray on the machine)."""
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
+
+from eagle_ray.tiny import cache_root
 
 pytestmark = pytest.mark.slow
 
@@ -15,55 +24,121 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the environment's ray / eagle-ray / python
 
 
-@pytest.fixture
-def head_node(tmp_path):
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_head(temp_dir: str, gcs_address: str) -> None:
+    """Kill the head's processes (their command lines name its temp dir or GCS address) and
+    everything they started; other Ray instances on the machine are left alone."""
+    own = [p for p in psutil.process_iter(["cmdline"])
+           if any(temp_dir in arg or gcs_address in arg for arg in p.info["cmdline"] or [])]
+    family = {p.pid: p for p in own}
+    for process in own:
+        try:
+            family.update({c.pid: c for c in process.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            pass
+    for process in family.values():
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(list(family.values()), timeout=30)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def start_head(auth_mode: str):
+    """`ray start --head` with the given auth mode: (env for its clients, addresses, stop)."""
+    temp_dir = f"/tmp/er-{uuid.uuid4().hex[:8]}"  # short: Ray's socket paths must fit 107 bytes
+    gcs_port, dashboard_port = free_port(), free_port()
     # The job's entrypoint runs with the head's PATH: start it with this environment first.
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-           "RAY_AUTH_MODE": "token"}
+           "RAY_AUTH_MODE": auth_mode, "EAGLE_RAY_CACHE": str(cache_root())}
     env.pop("RAY_ADDRESS", None)
-    subprocess.run([BIN / "ray", "start", "--head", "--num-cpus=4", "--include-dashboard=true",
-                    "--dashboard-port=8265", "--object-store-memory=400000000",
-                    "--disable-usage-stats"], check=True, env=env, capture_output=True,
-                   timeout=120)
-    yield env
-    subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+    subprocess.run([BIN / "ray", "start", "--head", f"--port={gcs_port}", "--num-cpus=2",
+                    "--include-dashboard=true", f"--dashboard-port={dashboard_port}",
+                    f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}",
+                    "--object-store-memory=400000000", "--disable-usage-stats"],
+                   check=True, env=env, capture_output=True, timeout=120)
+    gcs = f"127.0.0.1:{gcs_port}"
+    addresses = {"gcs": gcs, "dashboard": f"http://127.0.0.1:{dashboard_port}"}
+    return env, addresses, lambda: stop_head(temp_dir, f":{gcs_port}")
+
+
+@pytest.fixture(scope="module")
+def head_node():
+    """A head with token authentication, as the README's cluster path starts it."""
+    subprocess.run([BIN / "ray", "get-auth-token", "--generate"], check=True,
+                   capture_output=True, timeout=60)
+    env, addresses, stop = start_head("token")
+    yield env, addresses
+    stop()
 
 
 def test_ray_job_submit_runs_training_to_success(head_node, tmp_path):
+    env, addresses = head_node
     output_dir = tmp_path / "run"
     result = subprocess.run(
-        [BIN / "ray", "job", "submit", "--address", "http://127.0.0.1:8265",
+        [BIN / "ray", "job", "submit", "--address", addresses["dashboard"],
          "--working-dir", str(ROOT), "--",
          "eagle-ray", "train", "--config", "examples/tiny.yaml", "train.steps=10",
          "train.log_every=5", "train.checkpoint_every=10", "eval.enabled=false",
          "target.name=job-pool", f"output_dir={output_dir}", "run_name=job-test"],
-        env=head_node, capture_output=True, text=True, timeout=900)
+        env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "succeeded" in result.stdout
     assert (output_dir / "draft" / "config.json").exists()
     assert len((output_dir / "metrics.jsonl").read_text().splitlines()) == 2
 
 
-def test_serve_status_shutdown_and_a_job_that_joins_the_shared_pool(head_node, tmp_path):
-    def eagle_ray(*args, timeout=300):
-        return subprocess.run([BIN / "eagle-ray", *args], env=head_node, capture_output=True,
-                              text=True, timeout=timeout)
+def eagle_ray(env, *args, timeout=300):
+    return subprocess.run([BIN / "eagle-ray", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
-    served = eagle_ray("serve", "name=shared", "dtype=float32")
+
+def test_serve_status_shutdown_and_a_job_that_joins_the_shared_pool(head_node, tmp_path):
+    env, addresses = head_node
+    gcs = ["--address", addresses["gcs"]]
+    served = eagle_ray(env, "serve", *gcs, "name=shared", "dtype=float32")
     assert served.returncode == 0, served.stderr[-3000:]
     assert json.loads(served.stdout)["ready_replicas"] == 1
     result = subprocess.run(
-        [BIN / "ray", "job", "submit", "--address", "http://127.0.0.1:8265",
+        [BIN / "ray", "job", "submit", "--address", addresses["dashboard"],
          "--working-dir", str(ROOT), "--",
          "eagle-ray", "train", "--config", "examples/tiny.yaml", "use_shared_pool=true",
          "target.name=shared", "train.steps=6", "train.log_every=3", "train.checkpoint_every=6",
          "eval.enabled=false", f"output_dir={tmp_path / 'run'}", "run_name=shared-test"],
-        env=head_node, capture_output=True, text=True, timeout=900)
+        env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    status = eagle_ray("status", "--name", "shared")
+    status = eagle_ray(env, "status", *gcs, "--name", "shared")
     assert status.returncode == 0, status.stderr[-3000:]
     replica = json.loads(status.stdout)["replicas"]["shared-replica-0"]
     assert replica["served_micro_batches"] >= 12  # 2 workers x 6 steps, served by the shared pool
-    assert eagle_ray("shutdown", "--name", "shared").returncode == 0
-    gone = eagle_ray("status", "--name", "shared")
+
+    # Without the cluster's token (no RAY_AUTH_MODE, no ~/.ray/auth_token) nothing is reachable.
+    outsider = {**env, "HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
+    refused = eagle_ray(outsider, "status", *gcs, "--name", "shared", timeout=180)
+    assert refused.returncode != 0 and "served_micro_batches" not in refused.stdout
+
+    assert eagle_ray(env, "shutdown", *gcs, "--name", "shared").returncode == 0
+    gone = eagle_ray(env, "status", *gcs, "--name", "shared")
     assert gone.returncode == 2 and "no eagle_ray pool named 'shared'" in gone.stderr
+
+
+def test_serve_refuses_a_cluster_without_token_authentication():
+    env, addresses, stop = start_head("disabled")
+    try:
+        gcs = ["--address", addresses["gcs"]]
+        refused = eagle_ray(env, "serve", *gcs, "name=open", "backend=hf", "dtype=float32")
+        assert refused.returncode == 2
+        assert "without token authentication" in refused.stderr
+        assert "--allow-insecure" in refused.stderr
+        allowed = eagle_ray(env, "serve", *gcs, "--allow-insecure", "name=open", "backend=hf",
+                            "dtype=float32")
+        assert allowed.returncode == 0, allowed.stderr[-3000:]
+        assert json.loads(allowed.stdout)["ready_replicas"] == 1
+    finally:
+        stop()

@@ -4,6 +4,8 @@ GPUs are logical (`num_gpus` on fake nodes): placement logic is real, no GPU is 
 run the synthetic backend; these tests are about where replicas go and what survives a node.
 """
 
+import logging
+import threading
 import time
 
 import pytest
@@ -14,10 +16,12 @@ from eagle_ray.pool import PoolClient
 
 from pool_helpers import (
     TESTS_ON_WORKER_PATH,
+    TIMEOUT_S,
     TrainerStandIn,
     is_correct,
     micro_batches,
     synthetic_pool,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -54,7 +58,7 @@ def test_replicas_pack_on_one_node_each_and_an_unfitting_one_waits(cluster):
                           cpus_per_bundle=0.5)
     try:
         pool.wait_ready(2, timeout_s=120)
-        time.sleep(2)
+        time.sleep(2)  # not a race: the third replica cannot fit; this gives a bug time to show
         status = pool.status()
         assert status["ready_replicas"] == 2
         nodes = []
@@ -67,7 +71,8 @@ def test_replicas_pack_on_one_node_each_and_an_unfitting_one_waits(cluster):
                 assert state == "PENDING"
         assert len(nodes) == 2 and len(set(nodes)) == 2, "replicas sit on disjoint nodes"
         gpu_ids = [ray.get(ray.get_actor(pool.config.replica_name(i),
-                                         namespace="eagle_ray_test").ready.remote())
+                                         namespace="eagle_ray_test").ready.remote(),
+                           timeout=TIMEOUT_S)
                    for i in range(3) if replica_placement(pool.config.replica_name(i))[0]
                    == "CREATED"]
         assert all(len(info["gpu_ids"]) == 1 for info in gpu_ids)
@@ -92,15 +97,77 @@ def test_removing_a_node_with_replicas_loses_no_micro_batch(cluster):
         # The training actors live on the head: only the target replicas' node goes away.
         trainers = [TrainerStandIn.options(resources={"head": 1}).remote("node-loss")
                     for _ in range(2)]
-        runs = [t.run.remote(30, seed=30 + s) for s, t in enumerate(trainers)]
-        time.sleep(1.5)
+        runs = [t.run.remote(60, seed=30 + s) for s, t in enumerate(trainers)]
+        # Once work is flowing, every client's window holds leases on the doomed replicas.
+        wait_until(lambda: sum(r["served_micro_batches"]
+                               for r in pool.status()["replicas"].values()) >= 3)
         gpu_node(cluster)  # where the replicas can be rescheduled
         cluster.remove_node(doomed)
-        for result in ray.get(runs, timeout=300):
-            assert len(result["correct"]) == 30 and all(result["correct"])
+        results = ray.get(runs, timeout=TIMEOUT_S)
+        for result in results:
+            assert len(result["correct"]) == 60 and all(result["correct"])
+        assert sum(r["stats"]["retries"] for r in results) >= 1, "calls in flight were re-run"
         pool.wait_ready(2, timeout_s=120)
         for index in range(2):
             state, bundle_nodes = replica_placement(pool.config.replica_name(index))
             assert state == "CREATED" and doomed.node_id not in bundle_nodes
+    finally:
+        pool.shutdown()
+
+
+def router_home(cluster):
+    """A node only the router may use (resource `router_home`): removing it takes the router
+    down until a node with that resource joins, a restart whose length the test decides."""
+    return cluster.add_node(num_cpus=0, resources={"router_home": 1},
+                            object_store_memory=150 * 2**20)
+
+
+def test_a_client_connects_while_the_router_restarts(cluster, caplog):
+    home = router_home(cluster)
+    cluster.wait_for_nodes()
+    pool = synthetic_pool("connect", replicas=1, router_resources={"router_home": 0.01})
+    try:
+        cluster.remove_node(home)
+        connected = {}
+        connecting = threading.Thread(target=lambda: connected.update(
+            client=PoolClient.connect("connect", "eagle_ray_test")))
+        with caplog.at_level(logging.WARNING, logger="eagle_ray.pool.client"):
+            connecting.start()
+            wait_until(lambda: "unavailable" in caplog.text, what="connect meeting the outage")
+        assert connecting.is_alive(), "connect waits for the router instead of failing"
+        router_home(cluster)
+        connecting.join(TIMEOUT_S)
+        client = connected["client"]
+        assert client.stats["router_retries"] >= 1
+        inputs = micro_batches(4, seed=40)
+        assert all(is_correct(x, b) for x, b in zip(inputs, client.stream(inputs), strict=True))
+    finally:
+        pool.shutdown()
+
+
+def test_a_router_outage_mid_stream_loses_no_result_and_clients_recover(cluster, tmp_path):
+    home = router_home(cluster)
+    cluster.wait_for_nodes()
+    gate = tmp_path / "hold"
+    gate.touch()
+    pool = synthetic_pool("router-outage", router_resources={"router_home": 0.01},
+                          backend_kwargs={"hold_while": str(gate)})
+    try:
+        trainers = [TrainerStandIn.options(resources={"head": 1}).remote(
+            "router-outage", max_inflight_micro_batches=4) for _ in range(2)]
+        runs = [t.run.remote(20, seed=50 + s) for s, t in enumerate(trainers)]
+        # Both windows are leased and held on the replicas; the rest needs the router.
+        wait_until(lambda: sum(r["outstanding_micro_batches"]
+                               for r in pool.status()["replicas"].values()) == 8,
+                   what="both clients' windows leased")
+        cluster.remove_node(home)
+        gate.unlink()
+        wait_until(lambda: all(ray.get(t.stats.remote(), timeout=TIMEOUT_S)["router_retries"]
+                               >= 1 for t in trainers), what="both clients retrying the router")
+        router_home(cluster)
+        for result in ray.get(runs, timeout=TIMEOUT_S):
+            assert len(result["correct"]) == 20 and all(result["correct"])
+            assert result["stats"]["delivered"] == 20 and result["stats"]["router_retries"] >= 1
+        pool.wait_ready(2, timeout_s=120)  # the restarted router re-adopted both replicas
     finally:
         pool.shutdown()

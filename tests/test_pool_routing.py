@@ -1,24 +1,34 @@
-"""Routing, exactly-once delivery and backpressure of the pool, with a synthetic backend.
+"""Routing, exactly-once delivery, failure handling and backpressure of the pool, with a synthetic
+backend.
 
 These tests are about the pool, not the engine: replicas run `eagle_ray.testing`'s fixed-latency
-backend whose output is a checkable function of its input. The real-engine pool test is
-test_pool_vllm.py.
+backend whose output is a checkable function of its input. Moments that matter (a call in
+flight, a lease held) are made deterministic with the backend's `hold_while` gate, not sleeps.
+The real-engine pool test is test_pool_vllm.py; router and node outages are in
+test_pool_cluster.py.
 """
 
-import time
+import threading
 
+import numpy as np
 import pytest
 import ray
 import torch
 
 from eagle_ray.pool import ClientConfig, MicroBatchFailed, PoolClient
+from eagle_ray.pool.transport import batch_from_numpy, batch_to_numpy
+from eagle_ray.target_batch import Eagle3TargetBatch
+from eagle_ray.target_runner import SelfCheckError
 
 from pool_helpers import (
     TESTS_ON_WORKER_PATH,
+    TIMEOUT_S,
     TrainerStandIn,
     is_correct,
     micro_batches,
+    replica_status,
     synthetic_pool,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -32,19 +42,16 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.fixture
+def gate(tmp_path):
+    """A file that holds the synthetic replicas' calls while it exists."""
+    path = tmp_path / "hold"
+    path.touch()
+    return path
+
+
 def replica_handle(pool, index):
     return ray.get_actor(pool.config.replica_name(index), namespace=pool.config.namespace)
-
-
-def replica_status(pool, index):
-    return pool.status()["replicas"][pool.config.replica_name(index)]
-
-
-def wait_until(predicate, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.2)
 
 
 def test_results_match_inputs_in_order_and_both_replicas_work():
@@ -70,30 +77,19 @@ def test_killed_replica_loses_nothing_and_comes_back():
         runs = [t.run.remote(40, seed=s) for s, t in enumerate(trainers)]
         wait_until(lambda: replica_status(pool, 0)["served_micro_batches"] >= 3)
         ray.kill(replica_handle(pool, 0), no_restart=False)
-        for result in ray.get(runs):
+        results = ray.get(runs, timeout=TIMEOUT_S)
+        for result in results:
             assert len(result["correct"]) == 40 and all(result["correct"])
             assert result["stats"]["delivered"] == 40
-        wait_until(lambda: pool.status()["replicas"]["kill-replica-replica-0"]["state"] == "ready")
-        status = pool.status()["replicas"]["kill-replica-replica-0"]
+        assert sum(r["stats"]["retries"] for r in results) >= 1, "calls in flight were re-run"
+        wait_until(lambda: replica_status(pool, 0)["state"] == "ready")
+        status = replica_status(pool, 0)
         assert status["restarts"] == 1 and status["errors"] >= 1
         before = status["served_micro_batches"]
-        ray.get([t.run.remote(20, seed=5 + s) for s, t in enumerate(trainers)])
-        after = pool.status()["replicas"]["kill-replica-replica-0"]["served_micro_batches"]
-        assert after > before, "the restarted replica takes work again"
-    finally:
-        pool.shutdown()
-
-
-def test_killed_router_loses_no_results_and_clients_recover():
-    pool = synthetic_pool("kill-router", backend_kwargs={"seconds_per_call": 0.05})
-    try:
-        trainers = [TrainerStandIn.remote("kill-router") for _ in range(2)]
-        runs = [t.run.remote(30, seed=20 + s) for s, t in enumerate(trainers)]
-        wait_until(lambda: replica_status(pool, 0)["served_micro_batches"] >= 3)
-        ray.kill(pool.router, no_restart=False)
-        for result in ray.get(runs):
-            assert len(result["correct"]) == 30 and all(result["correct"])
-        wait_until(lambda: pool.status()["ready_replicas"] == 2)
+        ray.get([t.run.remote(20, seed=5 + s) for s, t in enumerate(trainers)],
+                timeout=TIMEOUT_S)
+        assert replica_status(pool, 0)["served_micro_batches"] > before, \
+            "the restarted replica takes work again"
     finally:
         pool.shutdown()
 
@@ -109,13 +105,42 @@ def test_engine_error_reruns_the_micro_batch_on_another_replica(tmp_path):
         inputs[2] = (poisoned, inputs[2][1], inputs[2][2])
         results = list(client.stream(inputs))
         assert all(is_correct(x, b) for x, b in zip(inputs, results, strict=True))
-        # The poisoned micro-batch, and any queued behind it on the dying replica, ran again.
-        assert client.stats["retries"] >= 1 and (tmp_path / "failed").exists()
+        assert (tmp_path / "failed").exists()
+        # The poisoned micro-batch (and any queued behind it on the dying replica) ran again,
+        # each time on a replica other than the one it failed on.
+        assert client.stats["retries"] >= 1
+        assert client.stats["reruns_on_same_replica"] == 0
+        restarted = [r for r in pool.status()["replicas"].values() if r["errors"] >= 1]
+        assert len(restarted) == 1, "one replica's engine failed"
     finally:
         pool.shutdown()
 
 
-def test_backpressure_bounds_inflight_work():
+def test_a_timed_out_attempt_reruns_elsewhere_and_its_late_result_is_dropped(gate):
+    pool = synthetic_pool("timeout", backend_kwargs={"hold_while": str(gate),
+                                                     "hold_first_call_only": True})
+    try:
+        client = pool.client(ClientConfig(timeout_s=1.0, max_attempts=2))
+        inputs = micro_batches(1, seed=12)[0]
+        # The first attempt is held until the gate opens, so it times out; the re-run goes to
+        # the other replica (a replica it failed on is avoided) and is served there.
+        batch = client.result(client.submit(*inputs))
+        assert is_correct(inputs, batch)
+        assert (client.stats["delivered"], client.stats["retries"],
+                client.stats["abandoned_attempts"], client.stats["reruns_on_same_replica"]) == (
+            1, 1, 1, 0)
+        held = ray.get(replica_handle(pool, 0).ready.remote(), timeout=TIMEOUT_S)
+        assert held["served_micro_batches"] == 0, "the first attempt is still held"
+        gate.unlink()
+        wait_until(lambda: ray.get(replica_handle(pool, 0).ready.remote(), timeout=TIMEOUT_S)[
+            "served_micro_batches"] == 1, what="the abandoned attempt finishing late")
+        assert client.stats["delivered"] == 1, "its late result is not delivered again"
+        assert client.num_inflight == 0
+    finally:
+        pool.shutdown()
+
+
+def test_backpressure_bounds_inflight_micro_batches_and_tokens():
     pool = synthetic_pool("backpressure", replicas=1, max_outstanding_tokens_per_replica=60,
                           backend_kwargs={"seconds_per_call": 0.05})
     try:
@@ -125,8 +150,15 @@ def test_backpressure_bounds_inflight_work():
             assert is_correct(x, batch)
             assert client.num_inflight <= 4
         assert client.stats["max_inflight"] == 4
-        peak = pool.status()["replicas"]["backpressure-replica-0"]["peak_outstanding_tokens"]
+        peak = replica_status(pool, 0)["peak_outstanding_tokens"]
         assert 0 < peak <= 60
+        # A token window smaller than the micro-batch window is the binding one.
+        by_tokens = pool.client(ClientConfig(max_inflight_micro_batches=8,
+                                             max_inflight_tokens=60))
+        for x, batch in zip(inputs, by_tokens.stream(inputs), strict=True):
+            assert is_correct(x, batch)
+            assert by_tokens.num_inflight <= 2
+        assert by_tokens.stats["max_inflight"] == 2  # 2 x 26 tokens fit in 60, 3 do not
     finally:
         pool.shutdown()
 
@@ -161,6 +193,23 @@ def test_bad_input_is_rejected_at_the_client_before_it_travels():
         pool.shutdown()
 
 
+def test_a_self_check_failure_stops_the_stream_at_once_with_its_message():
+    pool = synthetic_pool("self-check", backend_kwargs={"self_check_failure": True})
+    try:
+        client = pool.client(ClientConfig(max_attempts=4))
+        with pytest.raises(SelfCheckError, match="layer-id convention"):
+            list(client.stream(micro_batches(8, seed=13)))
+        assert client.stats["retries"] == 0, "a configuration error is not re-run"
+        with pytest.raises(SelfCheckError):
+            client.submit(*micro_batches(1, seed=14)[0])
+        # The client reports the failure to the router without waiting for it: wait to see it.
+        wait_until(lambda: sum(r["errors"] for r in pool.status()["replicas"].values()) >= 1)
+        restarts = sum(r["restarts"] for r in pool.status()["replicas"].values())
+        assert restarts == 0, "the replicas keep running"
+    finally:
+        pool.shutdown()
+
+
 def test_no_replica_gives_a_clear_error():
     pool = synthetic_pool("no-replica", replicas=1)
     try:
@@ -172,23 +221,46 @@ def test_no_replica_gives_a_clear_error():
         pool.shutdown()
 
 
-def test_replicas_can_be_added_and_removed_while_serving():
-    pool = synthetic_pool("scale", replicas=1, backend_kwargs={"seconds_per_call": 0.02})
+def test_connecting_to_a_pool_that_does_not_exist_fails_at_once():
+    with pytest.raises(ValueError, match="no eagle_ray pool named 'nope'"):
+        PoolClient.connect("nope", "eagle_ray_test")
+
+
+def test_a_replica_is_drained_with_leases_out_and_an_added_one_serves(gate):
+    pool = synthetic_pool("scale", replicas=1, backend_kwargs={"hold_while": str(gate)})
     try:
-        client = PoolClient.connect("scale", "eagle_ray_test")
+        client = PoolClient.connect("scale", "eagle_ray_test",
+                                    ClientConfig(max_inflight_micro_batches=4))
         index = pool.add_replica()
         pool.wait_ready(2)
-        inputs = micro_batches(10, seed=8)
-        assert all(is_correct(x, b) for x, b in zip(inputs, client.stream(inputs), strict=True))
-        pool.remove_replica(index)
+        inputs = micro_batches(12, seed=8)
+        results = []
+        streaming = threading.Thread(target=lambda: results.extend(client.stream(inputs)))
+        streaming.start()
+        wait_until(lambda: replica_status(pool, index)["outstanding_micro_batches"] >= 1,
+                   what="the added replica holds a lease")
+        removal = {}
+        remover = threading.Thread(target=lambda: removal.update(
+            index=pool.remove_replica(index, drain=True)))
+        remover.start()
+        wait_until(lambda: replica_status(pool, index)["state"] == "draining")
+        assert remover.is_alive(), "removal waits for the leases held on the replica"
+        gate.unlink()
+        remover.join(TIMEOUT_S)
+        streaming.join(TIMEOUT_S)
+        assert removal == {"index": index}
+        assert all(is_correct(x, b) for x, b in zip(inputs, results, strict=True))
+        assert client.stats["delivered"] == 12 and client.stats["retries"] == 0, \
+            "draining finished the leases instead of abandoning them"
         assert list(pool.status()["replicas"]) == ["scale-replica-0"]
-        inputs = micro_batches(4, seed=9)
-        assert all(is_correct(x, b) for x, b in zip(inputs, client.stream(inputs), strict=True))
+        served = ray.get(pool.router.status.remote(), timeout=TIMEOUT_S)
+        assert served["replicas"]["scale-replica-0"]["served_micro_batches"] < 12, \
+            "the added replica served some"
     finally:
         pool.shutdown()
 
 
-def test_results_read_from_the_object_store_are_tensors_of_the_contract():
+def test_results_read_from_the_object_store_are_read_only_views_of_the_contract():
     pool = synthetic_pool("contract", replicas=1)
     try:
         client = pool.client()
@@ -196,5 +268,25 @@ def test_results_read_from_the_object_store_are_tensors_of_the_contract():
         assert batch.encoding == "last_hidden"
         assert batch.aux_hidden_states.dtype == torch.float32
         assert batch.input_ids.dtype == torch.int64
+        payload = ray.get(replica_handle(pool, 0).generate.remote(
+            0, tuple(t.numpy() for t in micro_batches(1, seed=10)[0])), timeout=TIMEOUT_S)
+        viewed = batch_from_numpy(payload)
+        array = payload["aux_hidden_states"][0]
+        assert not array.flags.writeable, "object-store memory is read-only"
+        assert viewed.aux_hidden_states.data_ptr() == array.ctypes.data, "mapped, not copied"
     finally:
         pool.shutdown()
+
+
+def test_bf16_supervision_round_trips_through_the_object_store_bit_for_bit():
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (2, 5), generator=generator)
+    batch = Eagle3TargetBatch(
+        torch.randn(2, 5, 12, generator=generator).bfloat16(), ids, torch.ones_like(ids),
+        torch.ones_like(ids), last_hidden=torch.randn(2, 5, 4, generator=generator).bfloat16())
+    payload = ray.get(ray.put(batch_to_numpy(batch)), timeout=TIMEOUT_S)
+    assert payload["aux_hidden_states"][0].dtype == np.int16
+    back = batch_from_numpy(payload)
+    for name, tensor in batch.tensors().items():
+        assert back.tensors()[name].dtype == tensor.dtype, name
+        assert torch.equal(back.tensors()[name], tensor), name

@@ -3,10 +3,15 @@
 import pytest
 import ray
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ray.exceptions import RayTaskError
 
 from eagle_ray.pool import PoolConfig, TargetPool
 from eagle_ray.testing import random_micro_batch
 from eagle_ray.vllm_target import VLLMEagle3TargetModel
+
+from fuzz_inputs import as_replica_inputs, hostile_micro_batches
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +28,29 @@ def vllm_pool(llama_path):
     ray.shutdown()
 
 
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_hostile_input_at_the_client_and_at_a_replica_is_a_clear_error(vllm_pool, data):
+    served = vllm_pool.identity()
+    batch = data.draw(hostile_micro_batches(served.vocab_size, served.max_length))
+    client = vllm_pool.client()
+    try:
+        client.submit(*batch)
+    except (TypeError, ValueError):
+        assert client.stats["submitted"] == 0, "refused before it travels"
+    else:
+        client.next_result()  # an input the fuzzer made valid is served
+    replica = ray.get_actor(vllm_pool.config.replica_name(0), namespace="eagle_ray_test")
+    try:
+        ray.get(replica.generate.remote(0, as_replica_inputs(batch)), timeout=120)
+    except RayTaskError as e:
+        assert isinstance(e.as_instanceof_cause(), TypeError | ValueError), e
+
+
 def test_pool_output_equals_the_backend_called_directly_bitwise(vllm_pool, llama_path):
+    """Also: after the hostile input above, the engine serves exactly as before and never
+    restarted."""
     batches = [random_micro_batch(530, lengths, seed=i)
                for i, lengths in enumerate([(17, 9, 30, 4), (64,), (5, 40, 12)])]
     client = vllm_pool.client()
@@ -38,5 +65,5 @@ def test_pool_output_equals_the_backend_called_directly_bitwise(vllm_pool, llama
                 assert torch.equal(pooled.tensors()[name], tensor), name
     finally:
         direct.shutdown()
-    served = vllm_pool.status()["replicas"]["vllm-pool-replica-0"]["served_micro_batches"]
-    assert served >= len(batches)
+    status = vllm_pool.status()["replicas"]["vllm-pool-replica-0"]
+    assert status["served_micro_batches"] >= len(batches) and status["restarts"] == 0

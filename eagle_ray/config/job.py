@@ -47,6 +47,9 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     intermediate_size: int | None = None  # draft MLP width; None: the target's
+    # Ray Train's failure handling (FailureConfig), bounded so that a job that cannot run ends:
+    max_failures: int = 0  # worker failures recovered from the latest checkpoint; -1: no limit
+    max_controller_failures: int = 3  # worker-group start failures (e.g. never scheduled)
 
 
 @dataclasses.dataclass

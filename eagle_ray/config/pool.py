@@ -34,6 +34,9 @@ class PoolConfig:
     name: str = "eagle_ray_pool"
     namespace: str = "eagle_ray"
     detached: bool = False
+    # Custom resources of the router actor (it needs no CPU), e.g. {"head": 0.001} to keep it on
+    # the head node, off workers that an autoscaler may reclaim.
+    router_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     # Load: the router keeps at most this many tokens outstanding on one replica.
     max_outstanding_tokens_per_replica: int = 16384
     ready_timeout_s: float = 600.0

@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import time
@@ -28,6 +27,8 @@ from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
+from eagle_ray.pool.failures import FailureKind, classify
+from eagle_ray.pool.inflight import InFlightMicroBatch
 from eagle_ray.pool.router import NoReplicaAvailable
 from eagle_ray.pool.states import MicroBatchPhase
 from eagle_ray.pool.transport import batch_from_numpy
@@ -41,36 +42,6 @@ MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 class MicroBatchFailed(RuntimeError):
     """A micro-batch could not be served; the message says where it was tried and why."""
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """One submitted micro-batch and where it stands."""
-
-    micro_batch_id: int
-    inputs: ray.ObjectRef  # (input_ids, attention_mask, loss_mask) numpy, put once, reused
-    num_tokens: int
-    phase: MicroBatchPhase = MicroBatchPhase.LEASING
-    lease_ref: ray.ObjectRef | None = None  # LEASING: the router's answer
-    result_ref: ray.ObjectRef | None = None  # RUNNING: the replica's answer
-    replica: str | None = None  # RUNNING: who computes it
-    deadline: float = 0.0  # RUNNING: give up on this attempt after this time
-    retry_lease_at: float = 0.0  # BACKOFF: ask the router again after this time
-    attempts: int = 0
-    failed_on: list[str] = dataclasses.field(default_factory=list)
-    errors: list[str] = dataclasses.field(default_factory=list)
-    result: Eagle3TargetBatch | None = None  # SUCCEEDED
-    error: BaseException | None = None  # FAILED
-
-    @property
-    def done(self) -> bool:
-        return self.phase in (MicroBatchPhase.SUCCEEDED, MicroBatchPhase.FAILED)
-
-    def succeed(self, result: Eagle3TargetBatch) -> None:
-        self.phase, self.result, self.result_ref = MicroBatchPhase.SUCCEEDED, result, None
-
-    def fail(self, error: BaseException) -> None:
-        self.phase, self.error, self.result_ref = MicroBatchPhase.FAILED, error, None
 
 
 class PoolClient:
@@ -97,9 +68,13 @@ class PoolClient:
         self.vocab_size = int(target_info["vocab_size"])
         self.max_length = target_info.get("max_length")
         self._ids = itertools.count()
-        self._inflight: collections.OrderedDict[int, _InFlight] = collections.OrderedDict()
-        self.stats = {"submitted": 0, "delivered": 0, "retries": 0, "abandoned_attempts": 0,
-                      "max_inflight": 0, "wait_seconds": 0.0}
+        self._inflight: collections.OrderedDict[int, InFlightMicroBatch] = collections.OrderedDict()
+        self._fatal: BaseException | None = None  # a configuration error: every call raises it
+        # retries: attempts re-run after a failure, of which reruns_on_same_replica landed on a
+        # replica that had already failed them; router_retries: calls to an unavailable router.
+        self.stats = {"submitted": 0, "delivered": 0, "retries": 0, "reruns_on_same_replica": 0,
+                      "abandoned_attempts": 0, "router_retries": 0, "max_inflight": 0,
+                      "wait_seconds": 0.0}
 
     @classmethod
     def connect(cls, pool_name: str = "eagle_ray_pool", namespace: str = "eagle_ray",
@@ -112,16 +87,38 @@ class PoolClient:
             config: flow control and retries; None: `ClientConfig()` defaults.
         """
         router_name = PoolConfig(name=pool_name, namespace=namespace).router_name
-        router = ray.get_actor(router_name, namespace=namespace)
         config = config or ClientConfig()
-        info = ray.get(router.target_info.remote(config.lease_timeout_s))
-        return cls(router, info, config, router_name, namespace)
+        deadline = time.monotonic() + config.lease_timeout_s
+        unavailable = 0
+        while True:
+            try:
+                router = ray.get_actor(router_name, namespace=namespace)
+            except ValueError:
+                raise ValueError(f"no eagle_ray pool named {pool_name!r} in namespace "
+                                 f"{namespace!r}; start one with `eagle-ray serve` or "
+                                 f"TargetPool.create") from None
+            try:
+                info = ray.get(router.target_info.remote(config.lease_timeout_s),
+                               timeout=max(deadline - time.monotonic(), 1.0))
+                break
+            except RayActorError as e:  # the router is restarting: wait for it
+                unavailable += 1
+                if time.monotonic() > deadline:
+                    raise MicroBatchFailed(f"the router of pool {pool_name!r} stayed unavailable "
+                                           f"for {config.lease_timeout_s:.0f}s: {e}") from e
+                logger.warning("router of pool %r unavailable (%s); retrying", pool_name,
+                               type(e).__name__)
+                time.sleep(ROUTER_RETRY_S)
+        client = cls(router, info, config, router_name, namespace)
+        client.stats["router_retries"] = unavailable
+        return client
 
     # ------------------------------------------------------------------ public API
 
     def submit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                loss_mask: torch.Tensor | None = None) -> int:
         """Queue one micro-batch; returns its id. Bad input raises here, before it travels."""
+        self._raise_fatal()
         if loss_mask is None:
             loss_mask = attention_mask
         validate_micro_batch(input_ids, attention_mask, loss_mask, vocab_size=self.vocab_size,
@@ -131,7 +128,7 @@ class PoolClient:
         micro_batch_id = next(self._ids)
         inputs = ray.put(tuple(t.detach().cpu().numpy()
                                for t in (input_ids, attention_mask, loss_mask)))
-        item = _InFlight(micro_batch_id, inputs, num_tokens)
+        item = InFlightMicroBatch(micro_batch_id, inputs, num_tokens)
         self._inflight[micro_batch_id] = item
         self._lease(item)
         self.stats["submitted"] += 1
@@ -154,6 +151,7 @@ class PoolClient:
         started = time.monotonic()
         while not item.done:
             self._pump(timeout=1.0)
+            self._raise_fatal()
         self.stats["wait_seconds"] += time.monotonic() - started
         del self._inflight[micro_batch_id]
         if item.error is not None:
@@ -165,13 +163,11 @@ class PoolClient:
         """Supervision for each `(input_ids, attention_mask, loss_mask)`, in order, keeping up
         to the in-flight window submitted ahead (target latency overlaps the caller's work)."""
         source = iter(micro_batches)
-        exhausted = False
+        upcoming = next(source, None)  # the next micro-batch, submitted once the window has room
         while True:
-            while not exhausted and self._has_room():
-                try:
-                    self.submit(*next(source))
-                except StopIteration:
-                    exhausted = True
+            while upcoming is not None and self._has_room(int(upcoming[1].sum())):
+                self.submit(*upcoming)
+                upcoming = next(source, None)
             if not self._inflight:
                 return
             yield self.next_result()[1]
@@ -191,6 +187,7 @@ class PoolClient:
     def _wait_for_room(self, num_tokens: int) -> None:
         started = time.monotonic()
         while not self._has_room(num_tokens):
+            self._raise_fatal()
             if all(i.done for i in self._inflight.values()):
                 raise RuntimeError(
                     f"the in-flight window is full of results nobody consumed "
@@ -201,7 +198,7 @@ class PoolClient:
 
     # ------------------------------------------------------------------ the state machine
 
-    def _lease(self, item: _InFlight) -> None:
+    def _lease(self, item: InFlightMicroBatch) -> None:
         """Ask the router for a replica, avoiding those this micro-batch already failed on."""
         item.phase = MicroBatchPhase.LEASING
         item.lease_ref = self._router.acquire.remote(
@@ -210,7 +207,7 @@ class PoolClient:
     def _pump(self, timeout: float) -> None:
         """Advance every in-flight micro-batch whose lease or result is ready."""
         now = time.monotonic()
-        waiting: dict[ray.ObjectRef, _InFlight] = {}
+        waiting: dict[ray.ObjectRef, InFlightMicroBatch] = {}
         for item in self._inflight.values():
             if item.phase is MicroBatchPhase.BACKOFF and now >= item.retry_lease_at:
                 self._lease(item)
@@ -234,7 +231,7 @@ class PoolClient:
             else:
                 self._on_result(item)
 
-    def _on_lease(self, item: _InFlight) -> None:
+    def _on_lease(self, item: InFlightMicroBatch) -> None:
         lease_ref, item.lease_ref = item.lease_ref, None
         try:
             replica, handle = ray.get(lease_ref)
@@ -242,6 +239,7 @@ class PoolClient:
             # The router is restarting (or was replaced): ask again shortly.
             logger.warning("router unreachable; retrying lease for micro-batch %d",
                            item.micro_batch_id)
+            self.stats["router_retries"] += 1
             item.phase = MicroBatchPhase.BACKOFF
             item.retry_lease_at = time.monotonic() + ROUTER_RETRY_S
             self._reconnect_router()
@@ -258,7 +256,7 @@ class PoolClient:
         item.deadline = time.monotonic() + self.config.timeout_s
         item.result_ref = handle.generate.remote(item.micro_batch_id, item.inputs)
 
-    def _on_result(self, item: _InFlight) -> None:
+    def _on_result(self, item: InFlightMicroBatch) -> None:
         try:
             payload = ray.get(item.result_ref, timeout=0)
         except RayActorError as e:
@@ -266,18 +264,24 @@ class PoolClient:
             return
         except RayTaskError as e:
             cause = e.as_instanceof_cause()
-            if isinstance(cause, ValueError | TypeError):
-                self._release(item, ok=False)
-                item.fail(cause)  # bad input: the same on every replica
+            kind = classify(cause)
+            if kind is FailureKind.TRANSIENT:
+                self._attempt_failed(item, f"{type(cause).__name__}: {cause}",
+                                     replica_died=False)
                 return
-            self._attempt_failed(item, f"{type(cause).__name__}: {cause}", replica_died=False)
+            self._release(item, ok=False)
+            item.fail(cause)  # the same on every replica: never re-run
+            if kind is FailureKind.CONFIGURATION:
+                self._fatal = cause
             return
         except GetTimeoutError:  # not actually ready; look again next round
             return
         self._release(item, ok=True)
+        if item.replica in item.failed_on:
+            self.stats["reruns_on_same_replica"] += 1
         item.succeed(batch_from_numpy(payload))
 
-    def _attempt_failed(self, item: _InFlight, reason: str, replica_died: bool,
+    def _attempt_failed(self, item: InFlightMicroBatch, reason: str, replica_died: bool,
                         cancel: bool = False) -> None:
         """Re-run the micro-batch elsewhere; a late result of this attempt is dropped."""
         if cancel and item.result_ref is not None:
@@ -297,7 +301,12 @@ class PoolClient:
         self.stats["retries"] += 1
         self._lease(item)
 
-    def _release(self, item: _InFlight, ok: bool, replica_died: bool = False) -> None:
+    def _raise_fatal(self) -> None:
+        """A configuration error stops the client at once, whichever micro-batch it hit."""
+        if self._fatal is not None:
+            raise self._fatal
+
+    def _release(self, item: InFlightMicroBatch, ok: bool, replica_died: bool = False) -> None:
         try:
             self._router.release.remote(item.replica, item.num_tokens, ok, replica_died)
         except RayActorError:

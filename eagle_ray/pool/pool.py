@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
@@ -21,6 +22,8 @@ from eagle_ray.pool.replica import TargetReplica
 from eagle_ray.pool.router import PoolRouter
 
 logger = logging.getLogger(__name__)
+
+ROUTER_RESTART_WAIT_S = 120.0
 
 # One engine call at a time; health probes run beside it.
 _ReplicaActor = ray.remote(concurrency_groups={"generate": 1, "health": 1})(TargetReplica)
@@ -67,6 +70,7 @@ class TargetPool:
             name=config.router_name, namespace=config.namespace,
             lifetime="detached" if config.detached else None,
             max_restarts=-1, num_cpus=0, max_concurrency=10_000,
+            resources=dict(config.router_resources),
         ).remote(config.replica_prefix, config.namespace,
                  config.max_outstanding_tokens_per_replica)
         pool = cls(config, router)
@@ -105,7 +109,7 @@ class TargetPool:
             **replica_actor_options(self.config, pg),
         ).remote(self.config, index)
         self._handles[index] = handle
-        ray.get(self.router.add_replica.remote(self.config.replica_name(index), handle))
+        self._call_router("add_replica", self.config.replica_name(index), handle)
         logger.info("replica %d requested (%d bundle(s) %s, %s)", index, self.config.tp_size,
                     pg.bundle_specs[0], self.config.placement_strategy)
         return index
@@ -116,8 +120,7 @@ class TargetPool:
         if not indices:
             raise ValueError("the pool has no replicas to remove")
         index = max(indices) if index is None else index
-        drained = ray.get(self.router.remove_replica.remote(self.config.replica_name(index),
-                                                            drain))
+        drained = self._call_router("remove_replica", self.config.replica_name(index), drain)
         if not drained:
             logger.warning("replica %d did not drain in time; its micro-batches will be re-run",
                            index)
@@ -141,12 +144,12 @@ class TargetPool:
 
     def status(self) -> dict[str, Any]:
         """The router's view: per replica state, outstanding tokens, tokens/s, errors, restarts."""
-        return ray.get(self.router.status.remote())
+        return self._call_router("status")
 
     def identity(self, timeout_s: float = 600.0) -> TargetIdentity:
         """What the pool serves (checkpoint, fingerprint, layers, vocabulary, aux ids), as a
         ready replica reports it; waits up to `timeout_s` for one."""
-        info = ray.get(self.router.target_info.remote(timeout_s))
+        info = self._call_router("target_info", timeout_s)
         return TargetIdentity.from_dict(info["identity"])
 
     def client(self, config: ClientConfig | None = None) -> PoolClient:
@@ -164,6 +167,20 @@ class TargetPool:
         logger.info("pool %s shut down", self.config.name)
 
     # ------------------------------------------------------------------ helpers
+
+    def _call_router(self, method: str, *args: Any) -> Any:
+        """Call the router, waiting out a restart (up to ROUTER_RESTART_WAIT_S): every router
+        method the pool calls is idempotent, so a call that may have run is safe to repeat."""
+        deadline = time.monotonic() + ROUTER_RESTART_WAIT_S
+        while True:
+            try:
+                return ray.get(getattr(self.router, method).remote(*args))
+            except RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                logger.info("router of pool %s is restarting; calling %s again",
+                            self.config.name, method)
+                time.sleep(0.5)
 
     def _replica_indices(self) -> list[int]:
         prefix = self.config.replica_prefix

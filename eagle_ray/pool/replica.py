@@ -14,9 +14,10 @@ import torch
 
 from eagle_ray.config.pool import PoolConfig
 from eagle_ray.identity import TargetIdentity
+from eagle_ray.pool.failures import FailureKind, classify
 from eagle_ray.pool.transport import batch_to_numpy
 from eagle_ray.target_batch import validate_micro_batch
-from eagle_ray.target_runner import RunnerEagle3TargetModel, SelfCheckError
+from eagle_ray.target_runner import RunnerEagle3TargetModel
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +56,24 @@ def build_backend(config: PoolConfig) -> RunnerEagle3TargetModel:
     return factory(config)
 
 
+def micro_batch_tensors(inputs: Any) -> list[torch.Tensor]:
+    """`(input_ids, attention_mask, loss_mask)` arrays as tensors; anything else is bad input."""
+    if not isinstance(inputs, tuple | list) or len(inputs) != 3:
+        raise TypeError(f"a micro-batch is three arrays (input_ids, attention_mask, loss_mask), "
+                        f"got {type(inputs).__name__} {str(inputs)[:80]}")
+    try:
+        return [torch.tensor(a) for a in inputs]  # a copy: store arrays are read-only
+    except Exception as e:  # object arrays, strings, ragged lists
+        raise TypeError(f"micro-batch arrays must be numeric, got "
+                        f"{[type(a).__name__ for a in inputs]}: {e}") from e
+
+
 class TargetReplica:
     """Ray actor owning one target backend; the router hands its handle to clients.
 
-    Errors are sorted by what they mean for the replica: bad input is returned to the caller and
-    the replica keeps serving; a self-check failure is returned (a configuration problem, not a
-    dead engine); anything else from the engine ends the process so Ray restarts the actor with
-    a fresh engine instead of leaving a replica that fails every call.
+    Errors are sorted by `failures.classify`: bad input and configuration errors are returned to
+    the caller and the replica keeps serving; anything else from the engine ends the process so
+    Ray restarts the actor with a fresh engine instead of leaving a replica that fails every call.
     """
 
     def __init__(self, config: PoolConfig, index: int) -> None:
@@ -98,14 +110,14 @@ class TargetReplica:
                  ) -> dict[str, tuple[np.ndarray, str]]:
         """Supervision for one micro-batch `(input_ids, attention_mask, loss_mask)`, as numpy
         arrays for the object store."""
-        tensors = [torch.tensor(a) for a in inputs]
+        tensors = micro_batch_tensors(inputs)
         validate_micro_batch(*tensors, vocab_size=self.backend.vocab_size,
                              max_length=self.backend.max_length)
         try:
             batch = self.backend.generate_batch(*tensors)
-        except SelfCheckError:
-            raise
-        except Exception:
+        except Exception as e:
+            if classify(e) is not FailureKind.TRANSIENT:
+                raise
             logger.exception("replica %d: engine failed on micro-batch %d; exiting so Ray "
                              "restarts this replica with a fresh engine", self.index,
                              micro_batch_id)

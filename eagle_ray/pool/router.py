@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
+import psutil
 import ray
 from ray.actor import ActorHandle
 from ray.util import metrics
@@ -248,6 +250,7 @@ class PoolRouter:
             "replicas": {name: r.summary() for name, r in sorted(self._replicas.items())},
             "ready_replicas": sum(r.state is ReplicaState.READY for r in self._replicas.values()),
             "leases": self._leases,
+            "router": {"pid": os.getpid(), "rss_bytes": psutil.Process().memory_info().rss},
         }
 
     async def target_info(self, timeout_s: float = 600.0) -> dict[str, Any]:

@@ -1,0 +1,190 @@
+"""Soak: clients stream while faults are injected at random; nothing may be lost or duplicated.
+
+Several client actors stream micro-batches from a pool of fixed-latency replicas and check every
+result against its own input. Meanwhile a fault injector, at random moments, SIGKILLs a replica
+process, SIGSTOPs one for longer than the clients' per-attempt timeout and resumes it (its late
+results must be dropped), kills the router (Ray restarts it), and removes a replica (draining) or
+adds one. Reported: micro-batches delivered, lost, duplicated and wrong (all three must be 0),
+the faults injected, and the throughput kept against a fault-free run of the same length in the
+same process (ratio).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+from typing import Any
+
+import ray
+import torch
+
+from eagle_ray.bench import emit
+from eagle_ray.config import ClientConfig, PoolConfig
+from eagle_ray.pool import MicroBatchFailed, PoolClient, TargetPool
+from eagle_ray.testing import random_micro_batch, synthetic_aux_states
+
+logger = logging.getLogger(__name__)
+
+SYNTHETIC = "eagle_ray.testing:fixed_latency_target"
+HIDDEN, VOCAB = 8, 1024
+FAULTS = ("sigkill_replica", "sigstop_replica", "kill_router", "remove_replica", "add_replica")
+CLIENT = ClientConfig(max_inflight_micro_batches=4, timeout_s=2.0, max_attempts=8,
+                      lease_timeout_s=120.0)
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class SoakClient:
+    """Streams micro-batches until told to stop; checks every result against its input."""
+
+    def __init__(self, pool_name: str, namespace: str, seed: int) -> None:
+        self.pool = (pool_name, namespace)
+        self.seed = seed
+        self.stopping = False
+        self.tokens = 0  # delivered so far (read by `progress` from the other thread)
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    def progress(self) -> int:
+        return self.tokens
+
+    def run(self) -> dict[str, int]:
+        client = PoolClient.connect(*self.pool, CLIENT)
+        counts = dict.fromkeys(("delivered", "lost", "duplicated", "wrong", "tokens"), 0)
+        inputs: dict[int, tuple] = {}  # micro-batch id -> its inputs, until delivered
+        seen: set[int] = set()
+        index = 0
+        while not self.stopping or client.num_inflight:
+            while not self.stopping and client.num_inflight < CLIENT.max_inflight_micro_batches:
+                batch = random_micro_batch(VOCAB, (12, 5, 9), seed=self.seed * 10**6 + index)
+                inputs[client.submit(*batch)] = batch
+                index += 1
+            try:
+                micro_batch_id, result = client.next_result()
+            except MicroBatchFailed:
+                continue  # counted as lost below: its inputs stay in `inputs`
+            counts["duplicated"] += micro_batch_id in seen
+            seen.add(micro_batch_id)
+            ids, attention, _ = inputs.pop(micro_batch_id)
+            reference = synthetic_aux_states(ids, HIDDEN) * attention.unsqueeze(-1)
+            counts["wrong"] += not torch.equal(result.aux_hidden_states, reference)
+            counts["delivered"] += 1
+            counts["tokens"] += int(attention.sum())
+            self.tokens = counts["tokens"]
+        counts["lost"] += len(inputs)
+        return {**counts, "submitted": client.stats["submitted"],
+                "retries": client.stats["retries"]}
+
+
+def _replica_pids(pool: TargetPool) -> dict[int, int]:
+    pids = {}
+    for name, replica in pool.status()["replicas"].items():
+        if replica["state"] == "ready" and replica["pid"]:
+            pids[int(name.rsplit("-", 1)[1])] = replica["pid"]
+    return pids
+
+
+def _inject(pool: TargetPool, fault: str, rng: random.Random, stopped: dict[int, float]
+            ) -> bool:
+    """Apply one fault; False when it does not apply right now (e.g. too few replicas)."""
+    pids = {i: p for i, p in _replica_pids(pool).items() if i not in stopped}
+    if fault in ("sigkill_replica", "sigstop_replica", "remove_replica") and len(pids) < 2:
+        return False
+    try:
+        if fault == "sigkill_replica":
+            os.kill(rng.choice(sorted(pids.values())), signal.SIGKILL)
+        elif fault == "sigstop_replica":
+            index = rng.choice(sorted(pids))
+            os.kill(pids[index], signal.SIGSTOP)
+            stopped[index] = time.monotonic() + 2.5 * CLIENT.timeout_s
+    except ProcessLookupError:  # the router has not noticed an earlier kill yet
+        return False
+    if fault == "kill_router":
+        ray.kill(pool.router, no_restart=False)
+    elif fault == "remove_replica":
+        pool.remove_replica(rng.choice(sorted(pids)))
+    elif fault == "add_replica":
+        if len(pool.status()["replicas"]) >= 4:
+            return False
+        pool.add_replica()
+    return True
+
+
+def _resume_due(pool: TargetPool, stopped: dict[int, float], force: bool = False) -> None:
+    for index, due in list(stopped.items()):
+        if force or time.monotonic() >= due:
+            pid = pool.status()["replicas"].get(pool.config.replica_name(index), {}).get("pid")
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            del stopped[index]
+
+
+def run_phase(seconds: float, clients: int, faults: bool, seed: int,
+              cycle_faults: bool = False) -> dict[str, Any]:
+    """One soak phase on a fresh pool; returns the clients' totals and the faults injected.
+
+    Faults come in random order, or with `cycle_faults` in turn (each waiting until it applies),
+    so that a short run injects every kind.
+    """
+    name = f"soak-{'faults' if faults else 'clean'}-{seed}"
+    pool = TargetPool.create(PoolConfig(
+        backend=SYNTHETIC, name=name, namespace="eagle_ray_bench", replicas=3,
+        cpus_per_bundle=0.25, backend_kwargs={"seconds_per_call": 0.01,
+                                              "hidden_size": HIDDEN, "vocab_size": VOCAB}))
+    rng = random.Random(seed)
+    injected = dict.fromkeys(FAULTS, 0)
+    stopped: dict[int, float] = {}
+    try:
+        actors = [SoakClient.remote(name, "eagle_ray_bench", seed * 100 + k)
+                  for k in range(clients)]
+        runs = [a.run.remote() for a in actors]
+        # The clock starts once every client streams (actor start-up is not part of the soak).
+        deadline = time.monotonic() + 300
+        while not all(ray.get([a.progress.remote() for a in actors], timeout=60)):
+            if time.monotonic() > deadline:
+                raise TimeoutError("soak clients did not start streaming within 300 s")
+            time.sleep(0.2)
+        tokens_at_start = sum(ray.get([a.progress.remote() for a in actors], timeout=60))
+        started = time.monotonic()
+        while time.monotonic() - started < seconds:
+            time.sleep(rng.uniform(0.5, 1.5))
+            _resume_due(pool, stopped)
+            if faults:
+                fault = FAULTS[sum(injected.values()) % len(FAULTS)] if cycle_faults \
+                    else rng.choice(FAULTS)
+                if _inject(pool, fault, rng, stopped):
+                    injected[fault] += 1
+                    logger.info("soak: %s", fault)
+        _resume_due(pool, stopped, force=True)
+        elapsed = time.monotonic() - started
+        for actor in actors:
+            actor.stop.remote()
+        reports = ray.get(runs, timeout=600)
+    finally:
+        pool.shutdown()
+    totals = {key: sum(r[key] for r in reports) for key in reports[0]}
+    rate = (totals["tokens"] - tokens_at_start) / elapsed
+    return {**totals, "tokens_per_s": rate, "faults": injected}
+
+
+def run(minutes: float = 1.0, clients: int = 4, seed: int = 0) -> dict[str, Any]:
+    """A fault-free phase, then a phase with faults, each `minutes` long; JSON lines out."""
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, object_store_memory=512 * 2**20, include_dashboard=False,
+                 namespace="eagle_ray_bench", log_to_driver=False)
+    clean = run_phase(minutes * 60, clients, faults=False, seed=seed)
+    faulty = run_phase(minutes * 60, clients, faults=True, seed=seed + 1)
+    for key in ("delivered", "lost", "duplicated", "wrong", "retries"):
+        emit("soak", key, faulty[key], "micro-batches", minutes=minutes, clients=clients)
+    for fault, count in faulty["faults"].items():
+        emit("soak", f"faults.{fault}", count, "faults", minutes=minutes)
+    emit("soak", "supervision_tokens_per_s", round(faulty["tokens_per_s"], 1), "tok/s",
+         baseline="fault_free", ratio=round(faulty["tokens_per_s"] / clean["tokens_per_s"], 3),
+         fault_free=round(clean["tokens_per_s"], 1))
+    return {"clean": clean, "faults": faulty}

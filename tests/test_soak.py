@@ -1,0 +1,22 @@
+"""The soak's short version: faults of every kind while clients stream; nothing is lost,
+duplicated or wrong (`eagle-ray bench soak --minutes N` is the long one)."""
+
+import pytest
+import ray
+
+from eagle_ray.bench.soak import FAULTS, run_phase
+
+pytestmark = pytest.mark.slow
+
+
+def test_every_fault_kind_while_streaming_loses_and_duplicates_nothing():
+    ray.init(num_cpus=8, object_store_memory=300 * 2**20, include_dashboard=False,
+             namespace="eagle_ray_bench")
+    try:
+        report = run_phase(seconds=30, clients=3, faults=True, seed=7, cycle_faults=True)
+    finally:
+        ray.shutdown()
+    assert report["delivered"] > 100
+    assert (report["lost"], report["duplicated"], report["wrong"]) == (0, 0, 0)
+    assert all(report["faults"][fault] >= 1 for fault in FAULTS), report["faults"]
+    assert report["retries"] >= 1, "the faults hit micro-batches in flight"
