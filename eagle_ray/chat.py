@@ -26,6 +26,7 @@ The text is tokenised once with the tokenizer's offset mapping and without addin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterator
@@ -89,6 +90,11 @@ def conversation_messages(sample: Any, where: str) -> list[dict[str, str]]:
     raise ChatFormatError(
         f"{where}: expected {{\"messages\": [{{\"role\", \"content\"}}, ...]}} or ShareGPT's "
         f"{{\"conversations\": [{{\"from\", \"value\"}}, ...]}}, got {keys}")
+
+
+def conversation_key(messages: list[dict[str, str]]) -> str:
+    """A content hash that identifies a conversation (e.g. to keep held-out ones out)."""
+    return hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()
 
 
 def has_generation_markers(tokenizer) -> bool:
@@ -170,6 +176,24 @@ def assistant_lead(tokenizer) -> str:
                          "assistant turn; cannot locate assistant turns (mark them with "
                          "{% generation %} ... {% endgeneration %} in the template)")
     return answered[len(prompt):answered.index(answer)]
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """Tokens that end an assistant turn when generating: the first token the template writes
+    after an answer (`<|eot_id|>`, `<|im_end|>`, `</s>`, ...) and the tokenizer's EOS."""
+    answer = _SENTINEL.format("answer")
+    rendered = _render(tokenizer, [{"role": "user", "content": _SENTINEL.format("user")},
+                                   {"role": "assistant", "content": answer}])
+    after = rendered[rendered.index(answer) + len(answer):]
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"][:1]
+    return tuple(dict.fromkeys([*ids, *([tokenizer.eos_token_id]
+                                         if tokenizer.eos_token_id is not None else [])]))
+
+
+def prompt_for_turn(tokenizer, messages: list[dict[str, str]], turn: int) -> list[int]:
+    """Token ids of `messages[:turn]` with the generation prompt: what the target answers."""
+    return list(tokenizer.apply_chat_template(messages[:turn], add_generation_prompt=True,
+                                              return_dict=True)["input_ids"])
 
 
 def _render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False

@@ -8,37 +8,29 @@ are truncated (or dropped, with `overlong="drop"`), conversations without an ass
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import logging
-from collections.abc import Iterable
+import random
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from eagle_ray.chat import NoAssistantTurn, read_conversations, tokenize_conversation
+from eagle_ray.chat import NoAssistantTurn, tokenize_conversation
 from eagle_ray.config.loader import ConfigError
 from eagle_ray.supervision import DraftVocab
 
 logger = logging.getLogger(__name__)
 
 Row = tuple[list[int], list[int]]  # (token ids, assistant-token loss mask)
+MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, attention, loss [B, S]
 Conversation = tuple[str, list[dict[str, str]]]  # (where it came from, messages)
 
 
-def load_conversations(path: str | Path | None, num_samples: int) -> list[Conversation]:
-    """The conversations of a chat JSONL file (`eagle_ray.chat.read_conversations`), or
-    `num_samples` of the built-in generated chat data when `path` is None."""
-    if path is not None:
-        return list(read_conversations(path))
-    from eagle_ray.tiny import generate_chat_samples
-
-    return [(f"generated:{i}", sample["messages"])
-            for i, sample in enumerate(generate_chat_samples(num_samples))]
-
-
-def collate(rows: Iterable[Row], pad_id: int = 0
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate(rows: Iterable[Row], pad_id: int = 0) -> MicroBatch:
     """Right-pad `(ids, loss_mask)` rows into `input_ids, attention_mask, loss_mask [B, S]`."""
     rows = list(rows)
     if not rows:
@@ -54,55 +46,59 @@ def collate(rows: Iterable[Row], pad_id: int = 0
     return input_ids, attention_mask, loss_mask
 
 
+STATUSES = ("kept", "truncated", "dropped_too_long", "dropped_no_answer", "dropped_unrenderable")
+TRAINED = ("kept", "truncated")  # statuses of rows that are trained on
+
+
+def tokenize_row(tokenizer, messages: list[dict[str, str]], max_length: int, vocab_size: int,
+                 overlong: Literal["truncate", "drop"], where: str
+                 ) -> tuple[str, list[int], list[int]]:
+    """`(status, ids, mask)` of one conversation (`STATUSES`): rendered and masked with the chat
+    template (`eagle_ray.chat`), truncated (or dropped) past `max_length`. A token id outside the
+    target's `vocab_size` is an error: the data was tokenised for another model."""
+    try:
+        ids, mask = tokenize_conversation(tokenizer, messages)
+    except NoAssistantTurn:
+        return "dropped_no_answer", [], []
+    except Exception as e:  # jinja2 errors, raise_exception() in templates, alignment
+        logger.debug("%s: the chat template refused it: %s", where, e)
+        return "dropped_unrenderable", [], []
+    if max(ids) >= vocab_size:
+        raise ValueError(f"{where}: token id {max(ids)} is outside the target's vocabulary "
+                         f"[0, {vocab_size}); the tokenizer does not belong to this target")
+    status = "kept"
+    if len(ids) > max_length:
+        if overlong == "drop":
+            return "dropped_too_long", [], []
+        ids, mask, status = ids[:max_length], mask[:max_length], "truncated"
+    if not any(mask):
+        return "dropped_no_answer", [], []
+    return status, ids, mask
+
+
 @dataclasses.dataclass
 class TokenizedChats:
-    """Tokenised conversations and what happened on the way (reported in the job summary)."""
+    """Tokenised conversations and what happened to each (reported in the job summary)."""
 
     rows: list[Row]
-    truncated: int = 0  # longer than max_length, cut to it
-    dropped_too_long: int = 0  # longer than max_length, dropped (overlong="drop")
-    dropped_no_answer: int = 0  # no assistant token (none, or all past the cut)
-    dropped_unrenderable: int = 0  # the chat template raised (e.g. roles not alternating)
+    statuses: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def counts(self) -> dict[str, int]:
-        return {"kept": len(self.rows), **{k: v for k, v in dataclasses.asdict(self).items()
-                                           if k != "rows"}}
+        return {status: self.statuses[status] for status in STATUSES}
 
 
 def tokenize_chats(conversations: Iterable[Conversation], tokenizer, max_length: int,
                    vocab_size: int, overlong: Literal["truncate", "drop"] = "truncate"
                    ) -> TokenizedChats:
-    """Tokenise conversations with the chat template (`eagle_ray.chat`), truncating (or dropping)
-    rows over `max_length` tokens. A token id outside the target's `vocab_size` is an error: the
-    data was tokenised for another model."""
+    """`tokenize_row` for conversations in memory (tests, small data; the job streams them
+    through Ray Data, `eagle_ray.ingest`)."""
     out = TokenizedChats(rows=[])
-    first_template_error = None
     for where, messages in conversations:
-        try:
-            ids, mask = tokenize_conversation(tokenizer, messages)
-        except NoAssistantTurn:
-            out.dropped_no_answer += 1
-            continue
-        except Exception as e:  # jinja2 errors, raise_exception() in templates, alignment
-            out.dropped_unrenderable += 1
-            first_template_error = first_template_error or f"{where}: {e}"
-            continue
-        if max(ids) >= vocab_size:
-            raise ValueError(f"{where}: token id {max(ids)} is outside the target's vocabulary "
-                             f"[0, {vocab_size}); the tokenizer does not belong to this target")
-        if len(ids) > max_length:
-            if overlong == "drop":
-                out.dropped_too_long += 1
-                continue
-            ids, mask = ids[:max_length], mask[:max_length]
-            out.truncated += 1
-        if not any(mask):
-            out.dropped_no_answer += 1
-            continue
-        out.rows.append((ids, mask))
-    if first_template_error:
-        logger.warning("the chat template refused %d conversations; the first: %s",
-                       out.dropped_unrenderable, first_template_error)
+        status, ids, mask = tokenize_row(tokenizer, messages, max_length, vocab_size, overlong,
+                                         where)
+        out.statuses[status] += 1
+        if status in TRAINED:
+            out.rows.append((ids, mask))
     logger.info("tokenised conversations (max_length %d, overlong=%s): %s", max_length,
                 overlong, out.counts())
     return out
@@ -117,26 +113,73 @@ def answer_token_counts(rows: Iterable[Row], vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def load_or_build_draft_vocab(path: str | Path, rows: list[Row], vocab_size: int,
-                              draft_vocab_size: int) -> DraftVocab:
-    """The draft vocabulary cached at `path`; built from answer-token counts when absent or
-    when it was built for other sizes. `vocab_size` is the target checkpoint's (padded)
-    vocabulary; `draft_vocab_size == vocab_size` is a full-vocabulary draft."""
+def load_or_build_draft_vocab(path: str | Path, source: dict,
+                              count: Callable[[], tuple[torch.Tensor, dict[str, int]]],
+                              vocab_size: int, draft_vocab_size: int
+                              ) -> tuple[DraftVocab, dict[str, int]]:
+    """The draft vocabulary and the data counts cached at `path` for this `source` (what the
+    data and target were); otherwise `count()` (answer-token counts, statuses) runs and the
+    `draft_vocab_size` most frequent answer tokens are cached. `vocab_size` is the target
+    checkpoint's (padded) vocabulary; `draft_vocab_size == vocab_size` is a full-vocabulary
+    draft."""
     if draft_vocab_size > vocab_size:
         raise ConfigError(f"data.draft_vocab_size {draft_vocab_size} exceeds the target's "
                           f"vocabulary ({vocab_size}); set it to at most {vocab_size} "
                           f"({vocab_size} gives a full-vocabulary draft)")
     path = Path(path)
     if path.exists():
+        cached = json.loads(path.read_text())
         vocab = DraftVocab.load(path)
-        if vocab.size == draft_vocab_size and vocab.target_vocab_size == vocab_size:
+        if cached.get("source") == source and vocab.size == draft_vocab_size \
+                and vocab.target_vocab_size == vocab_size:
             logger.info("reusing draft vocabulary %s (%d tokens)", path, vocab.size)
-            return vocab
-    vocab = DraftVocab.from_token_counts(answer_token_counts(rows, vocab_size), draft_vocab_size)
+            return vocab, cached["statuses"]
+    counts, statuses = count()
+    vocab = DraftVocab.from_token_counts(counts, draft_vocab_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     vocab.save(path)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "source": source,
+                                "statuses": statuses}))
     logger.info("built draft vocabulary of %d tokens -> %s", vocab.size, path)
-    return vocab
+    return vocab, statuses
+
+
+def token_budget_micro_batches(rows: Iterable[Row], max_tokens: int, max_rows: int,
+                               window: int = 256, pad_id: int = 0, seed: int = 0
+                               ) -> Iterator[MicroBatch]:
+    """Right-padded micro-batches of at most `max_tokens` slots (rows x longest row) and
+    `max_rows` rows, formed from a window of `window` streamed rows sorted by length, so rows of
+    like length share a micro-batch and padding stays small; the window's micro-batches come out
+    in a seeded random order. A row longer than `max_tokens` forms a micro-batch alone."""
+    rng = random.Random(seed)
+    buffer: list[Row] = []
+    for row in rows:
+        buffer.append(row)
+        if len(buffer) == window:
+            yield from _pack(buffer, max_tokens, max_rows, pad_id, rng)
+            buffer = []
+    if buffer:
+        yield from _pack(buffer, max_tokens, max_rows, pad_id, rng)
+
+
+def _pack(rows: list[Row], max_tokens: int, max_rows: int, pad_id: int,
+          rng: random.Random) -> Iterator[MicroBatch]:
+    groups: list[list[Row]] = [[]]
+    for row in sorted(rows, key=lambda r: len(r[0])):
+        group = groups[-1]
+        # Sorted by length, so this row is the group's longest.
+        if group and ((len(group) + 1) * len(row[0]) > max_tokens or len(group) == max_rows):
+            groups.append(group := [])
+        group.append(row)
+    rng.shuffle(groups)
+    for group in groups:
+        yield collate(group, pad_id)
+
+
+def padding_share(micro_batch: MicroBatch) -> float:
+    """The share of a micro-batch's slots that are padding."""
+    attention = micro_batch[1]
+    return 1.0 - float(attention.sum()) / max(attention.numel(), 1)
 
 
 def make_micro_batches(rows: list[Row], micro_batch_size: int, pad_id: int = 0, seed: int = 0
@@ -144,7 +187,7 @@ def make_micro_batches(rows: list[Row], micro_batch_size: int, pad_id: int = 0, 
     """Shuffle (seeded) and group rows into right-padded micro-batches."""
     if not rows:
         raise ValueError("no rows to batch: every conversation was dropped (see the counts "
-                         "logged by tokenize_chats)")
+                         "tokenize_chats logs)")
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     return [collate([rows[i] for i in order[start:start + micro_batch_size]], pad_id)
             for start in range(0, len(order), micro_batch_size)]

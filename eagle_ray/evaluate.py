@@ -17,11 +17,13 @@ from typing import Any
 
 import torch
 
+from eagle_ray.chat import prompt_for_turn, stop_token_ids
 from eagle_ray.config import EvalConfig
 from eagle_ray.draft.export import load_exported_draft
 from eagle_ray.draft.model import Eagle3Draft, shift_left
 from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.supervision import DraftVocab
+from eagle_ray.target_runner import Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -33,44 +35,36 @@ def prompt_ids(conversations: Sequence[list[dict[str, str]]], tokenizer) -> list
     for messages in conversations:
         last_answer = max((i for i, m in enumerate(messages) if m["role"] == "assistant"),
                           default=len(messages))
-        encoded = tokenizer.apply_chat_template(messages[:last_answer],
-                                                add_generation_prompt=True, return_dict=True)
-        prompts.append(list(encoded["input_ids"]))
+        prompts.append(prompt_for_turn(tokenizer, messages, last_answer))
     return prompts
 
 
-@torch.inference_mode()
-def greedy_generate(target: HFEagle3TargetModel, prompt: list[int], max_new_tokens: int
-                    ) -> list[int]:
-    """The target's greedy continuation of `prompt`, end-of-turn tokens included (as vLLM with
-    `ignore_eos` generates it). A plain argmax loop over the KV cache: `generate()` would infer
-    an attention mask from a pad id (masking a BOS that shares it) and suppress EOS."""
-    model = target.model
-    device = next(model.parameters()).device
-    out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
-    tokens: list[int] = []
-    for _ in range(max_new_tokens):
-        next_token = out.logits[0, -1].argmax()
-        tokens.append(int(next_token))
-        out = model(input_ids=next_token.view(1, 1), past_key_values=out.past_key_values,
-                    use_cache=True)
-    return tokens
+def greedy_generate(target: HFEagle3TargetModel, prompt: list[int], max_new_tokens: int,
+                    stop_token_ids: tuple[int, ...] = ()) -> list[int]:
+    """The target's greedy continuation of `prompt`, up to and including a stop token."""
+    return target.complete([prompt], Sampling(max_new_tokens=max_new_tokens,
+                                              stop_token_ids=stop_token_ids))[0]
 
 
 @torch.inference_mode()
 def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,
-                        prompts: list[list[int]], k: int, max_new_tokens: int) -> float:
-    """Mean tokens gained per target forward with greedy chain drafting of `k` tokens."""
+                        prompts: list[list[int]], k: int, max_new_tokens: int,
+                        stop_token_ids: tuple[int, ...] = ()) -> float:
+    """Mean acceptance length of greedy chain drafting of `k` tokens (tokens gained per target
+    forward), over each answer up to its end-of-turn token (as vLLM stops there)."""
     head = target.get_target_head()
-    gained, iterations = 0, 0
+    drafts, accepted_total = 0, 0
     for prompt in prompts:
-        continuation = greedy_generate(target, prompt, max_new_tokens + k + 1)
+        continuation = greedy_generate(target, prompt, max_new_tokens, stop_token_ids)
         seq, produced = list(prompt), 0
-        while produced < max_new_tokens:
+        while produced < len(continuation):
             ids = torch.tensor([seq])
             ones = torch.ones_like(ids)
             out = target.runner.run(ids, ones)
             next_token = int(head(out.last_hidden[0, -1]).argmax())
+            truth = continuation[produced + 1: produced + 1 + k]
+            if not truth:  # the answer ends with this token: no draft left to verify
+                break
             # Step j reads, at the last slot, the token drafted by step j - 1.
             step_ids = [torch.tensor([seq[1:] + [next_token]])]
             drafted: list[int] = []
@@ -80,21 +74,23 @@ def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: 
                 step = shift_left(step_ids[-1], 1)
                 step[0, -1] = drafted[-1]
                 step_ids.append(step)
-            truth = continuation[produced + 1: produced + 1 + k]
             accepted = 0
             while accepted < len(truth) and drafted[accepted] == truth[accepted]:
                 accepted += 1
             seq += [next_token] + drafted[:accepted]
             produced += 1 + accepted
-            gained += 1 + accepted
-            iterations += 1
-    return gained / max(iterations, 1)
+            drafts += 1
+            accepted_total += accepted
+    # vLLM's definition, so the two measurements are comparable: 1 + accepted / drafts.
+    return 1 + accepted_total / max(drafts, 1)
 
 
 def vllm_acceptance(model_path: str, draft_dir: str | Path, prompts: list[list[int]], k: int,
                     max_new_tokens: int, reference: list[list[int]] | None = None,
-                    dtype: str = "float32") -> dict[str, Any]:
-    """Serve the exported draft with vLLM (`method="eagle3"`) and read its acceptance counters."""
+                    dtype: str = "float32", stop_token_ids: tuple[int, ...] = ()
+                    ) -> dict[str, Any]:
+    """Serve the exported draft with vLLM (`method="eagle3"`) and read its acceptance counters;
+    generation stops at `stop_token_ids` (the chat's end of turn)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
@@ -109,7 +105,7 @@ def vllm_acceptance(model_path: str, draft_dir: str | Path, prompts: list[list[i
                     multiprocess=True)
     try:
         params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True,
-                                detokenize=False)
+                                stop_token_ids=list(stop_token_ids), detokenize=False)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                use_tqdm=False)
         counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
@@ -148,17 +144,19 @@ def evaluate_draft(model_path: str, draft_dir: str | Path,
     torch.manual_seed(1234)
     untrained = Eagle3Draft(trained.config, embedding)
     k, n = eval_config.num_speculative_tokens, eval_config.max_new_tokens
+    stops = stop_token_ids(tokenizer)  # answers end at the chat's end-of-turn token
     report: dict[str, Any] = {"num_speculative_tokens": k, "prompts": len(prompts)}
     for name, draft in (("trained", trained), ("untrained", untrained)):
         draft.eval()
         report[f"simulated_acceptance_{name}"] = simulate_acceptance(target, draft, vocab,
-                                                                     prompts, k, n)
+                                                                     prompts, k, n, stops)
     if eval_config.vllm:
-        reference = [greedy_generate(target, p, n) for p in prompts]
+        reference = [greedy_generate(target, p, n, stops) for p in prompts]
         with tempfile.TemporaryDirectory() as tmp:
             untrained_dir = export_draft(untrained, vocab, served, Path(tmp) / "untrained")
             for name, path in (("trained", draft_dir), ("untrained", untrained_dir)):
-                result = vllm_acceptance(model_path, path, prompts, k, n, reference)
+                result = vllm_acceptance(model_path, path, prompts, k, n, reference,
+                                         stop_token_ids=stops)
                 report[f"vllm_acceptance_{name}"] = result["mean_acceptance_length"]
                 report[f"vllm_greedy_equal_fraction_{name}"] = result["greedy_equal_fraction"]
     logger.info("evaluation: %s", report)

@@ -18,7 +18,12 @@ from eagle_ray.aux_layers import resolve_eagle3_aux_layer_ids
 from eagle_ray.supervision import DraftVocab
 from eagle_ray.target_batch import Encoding
 from eagle_ray.target_head import TargetHead
-from eagle_ray.target_runner import RunnerEagle3TargetModel, RunnerOutput, TargetRunner
+from eagle_ray.target_runner import (
+    RunnerEagle3TargetModel,
+    RunnerOutput,
+    Sampling,
+    TargetRunner,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +65,38 @@ class HFTargetRunner(TargetRunner):
                 handle.remove()
         aux = torch.cat([captured[k] for k in self.aux_layer_ids], dim=-1)
         return RunnerOutput(aux_hidden_states=aux, last_hidden=captured["last_hidden"])
+
+
+    @torch.no_grad()
+    def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+        """One prompt at a time over the KV cache: greedy at temperature 0, else sampled with
+        a generator seeded per prompt (top-p applied)."""
+        device = next(self.model.parameters()).device
+        generated = []
+        for index, prompt in enumerate(prompts):
+            generator = torch.Generator(device=device).manual_seed((sampling.seed or 0) + index)
+            out = self.model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+            tokens: list[int] = []
+            while len(tokens) < sampling.max_new_tokens:
+                token = _next_token(out.logits[0, -1].float(), sampling, generator)
+                tokens.append(token)
+                if token in sampling.stop_token_ids:
+                    break
+                out = self.model(input_ids=torch.tensor([[token]], device=device),
+                                 past_key_values=out.past_key_values, use_cache=True)
+            generated.append(tokens)
+        return generated
+
+
+def _next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        ordered, order = probs.sort(descending=True)
+        keep = ordered.cumsum(0) - ordered < sampling.top_p
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], ordered[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 class HFEagle3TargetModel(RunnerEagle3TargetModel):

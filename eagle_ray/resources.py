@@ -69,6 +69,10 @@ def job_demands(config: JobConfig) -> list[Demand]:
     demands += [Demand(f"trainer worker {i}", worker,
                        "train.workers / cpus_per_worker / use_gpu / worker_resources")
                 for i in range(train.workers)]
+    # Ray Data reads, tokenises (actors) and filters while the workers train.
+    tasks = 2 + config.data.tokenize_workers
+    demands.append(Demand("data ingest", {"CPU": tasks * config.data.cpus_per_task},
+                          "data.cpus_per_task / tokenize_workers"))
     return demands
 
 
@@ -110,8 +114,8 @@ def never_fit(demands: Iterable[Demand], capacity: Capacity) -> list[str]:
     for resource, amount in sorted(asked.items()):
         if amount > offered.get(resource, 0) + EPSILON:
             parts = collections.Counter(d.keys for d in demands if resource in d.resources)
-            problems.append(f"the job asks for {amount:g} {resource} in all (replicas and "
-                            f"trainer workers) but the cluster could offer "
+            problems.append(f"the job asks for {amount:g} {resource} in all (replicas, "
+                            f"trainer workers, data ingest) but the cluster could offer "
                             f"{offered.get(resource, 0):g}; lower {' or '.join(sorted(parts))}")
     return problems
 

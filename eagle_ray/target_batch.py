@@ -168,3 +168,24 @@ def validate_micro_batch(
             f"a row has {int(lengths.max())} tokens but the target accepts at most {max_length}; "
             f"truncate or filter longer rows"
         )
+
+
+def validate_prompts(prompts: list[list[int]], *, vocab_size: int, max_length: int | None,
+                     max_new_tokens: int) -> None:
+    """Reject prompts for text generation that no backend could serve."""
+    if not isinstance(prompts, list | tuple) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r:.80}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, list | tuple) or not prompt or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise TypeError(f"prompt {i} must be a non-empty list of int token ids, got "
+                            f"{str(prompt)[:80]}")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:8]}")
+        if max_length is not None and len(prompt) + max_new_tokens > max_length + 1:
+            raise ValueError(f"prompt {i} has {len(prompt)} tokens; with max_new_tokens="
+                             f"{max_new_tokens} that exceeds the {max_length + 1} tokens the "
+                             f"target holds; shorten the prompt or lower max_new_tokens")

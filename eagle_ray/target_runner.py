@@ -40,14 +40,16 @@ from eagle_ray.target_batch import (
     Eagle3TargetBatch,
     Encoding,
     validate_micro_batch,
+    validate_prompts,
 )
 from eagle_ray.target_head import TargetHead
 
 __all__ = [
     "ENCODINGS", "NUM_AUX_LAYERS", "Eagle3TargetBatch", "Encoding", "RunnerEagle3TargetModel",
-    "RunnerOutput", "SelfCheckError", "TargetRunner", "check_greedy_tokens",
+    "RunnerOutput", "Sampling", "SelfCheckError", "TargetRunner", "check_greedy_tokens",
     "default_eagle3_aux_layer_ids", "next_position_mask", "resolve_eagle3_aux_layer_ids",
     "shift_supervision", "validate_eagle3_aux_layer_ids", "validate_micro_batch",
+    "validate_prompts",
     "vllm_capture_layer_ids",
 ]
 
@@ -63,6 +65,17 @@ class RunnerOutput:
     next_token_ids: torch.Tensor | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How to generate text with the target (answer regeneration). Temperature 0 is greedy."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = 0
+    stop_token_ids: tuple[int, ...] = ()  # e.g. the chat template's end-of-turn token
+
+
 class TargetRunner(abc.ABC):
     """The engine seam: turns token ids into unshifted aux states and the pre-norm last hidden.
 
@@ -74,6 +87,10 @@ class TargetRunner(abc.ABC):
     @abc.abstractmethod
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RunnerOutput:
         """Run one micro-batch through the target engine."""
+
+    def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+        """The generated tokens (stop token included, prompt excluded) for each prompt."""
+        raise NotImplementedError(f"{type(self).__name__} does not generate text")
 
 
 class RunnerEagle3TargetModel:
@@ -164,6 +181,13 @@ class RunnerEagle3TargetModel:
             target_probs=probs.masked_fill_(~has_next.unsqueeze(-1), 0),
             position_mask=position_mask & has_next,
         )
+
+
+    def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+        """Generate continuations of token-id prompts with the target (checked first)."""
+        validate_prompts(prompts, vocab_size=self.vocab_size, max_length=self.max_length,
+                         max_new_tokens=sampling.max_new_tokens)
+        return self.runner.complete(prompts, sampling)
 
 
 class SelfCheckError(RuntimeError):

@@ -16,6 +16,7 @@ from eagle_ray.target_head import TargetHead
 from eagle_ray.target_runner import (
     RunnerEagle3TargetModel,
     RunnerOutput,
+    Sampling,
     SelfCheckError,
     TargetRunner,
 )
@@ -64,12 +65,30 @@ class SyntheticRunner(TargetRunner):
                 raise RuntimeError("synthetic engine failure (fail_once_marker)")
         tokens = int(attention_mask.sum())
         time.sleep(self.seconds_per_call + self.seconds_per_token * tokens)
-        if self.hold_while and (not self.hold_first_call_only or _first(self.hold_while)):
-            while os.path.exists(self.hold_while):
-                time.sleep(0.01)
+        self._hold()
         return RunnerOutput(aux_hidden_states=synthetic_aux_states(input_ids, self.hidden_size),
                             last_hidden=-input_ids.float().unsqueeze(-1).expand(
                                 *input_ids.shape, self.hidden_size).clone())
+
+
+    def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+        """A checkable stand-in for generation: the prompt's last ids, in reverse, then the
+        first stop token; held by the gate like `run`."""
+        time.sleep(self.seconds_per_call)
+        self._hold()
+        return [synthetic_answer(p, sampling) for p in prompts]
+
+    def _hold(self) -> None:
+        """Wait while the gate file exists (for the first call only, if so configured)."""
+        if self.hold_while and (not self.hold_first_call_only or _first(self.hold_while)):
+            while os.path.exists(self.hold_while):
+                time.sleep(0.01)
+
+
+def synthetic_answer(prompt: list[int], sampling: Sampling) -> list[int]:
+    """What `SyntheticRunner.complete` generates for `prompt`."""
+    answer = list(reversed(prompt[-min(4, sampling.max_new_tokens - 1):]))
+    return answer + list(sampling.stop_token_ids[:1])
 
 
 def _first(path: str) -> bool:

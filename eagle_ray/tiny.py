@@ -58,6 +58,12 @@ KIT_TOKENIZER = TokenizerSpec(
     eos_token="<|eos|>", bos_token="<|bos|>", pad_token="<|pad|>", chat_template=CHAT_TEMPLATE)
 
 LM_HEAD_STD = 0.3
+# Pre-training of the main job's tiny target (bump the version when any of these change).
+PRETRAIN_VERSION = 1
+PRETRAIN_STEPS = 250
+PRETRAIN_BATCH = 32
+PRETRAIN_CONVERSATIONS = 4000
+PRETRAIN_SEED = 1000  # the corpus it learns from; the main job's data uses seed 0
 
 _COUNTRIES = {
     "France": "Paris", "Japan": "Tokyo", "Peru": "Lima", "Kenya": "Nairobi", "Canada": "Ottawa",
@@ -74,24 +80,36 @@ def cache_root() -> Path:
     return Path(os.environ.get("EAGLE_RAY_CACHE", Path.home() / ".cache" / "eagle_ray"))
 
 
-def generate_chat_samples(num_samples: int, seed: int = 0) -> list[dict]:
-    """Deterministic chat samples in the `messages` format (system / user / assistant turns)."""
+def generate_chat_samples(num_samples: int, seed: int = 0, writer: str = "target"
+                          ) -> list[dict]:
+    """Deterministic chat samples in the `messages` format (system / user / assistant turns).
+
+    `writer="target"`: answers phrased as the kit's corpus phrases them (what the pre-trained
+    tiny target learned to say). `writer="other"`: the same questions answered in another
+    phrasing, as in a dataset written by some other model -- the main job's data, whose answers
+    `eagle-ray regenerate` replaces with the target's own."""
+    if writer not in ("target", "other"):
+        raise ValueError(f"writer must be 'target' or 'other', got {writer!r}")
     rng = random.Random(seed)
+    other = writer == "other"
     samples = []
     for _ in range(num_samples):
         kind = rng.randrange(3)
         if kind == 0:
             country = rng.choice(sorted(_COUNTRIES))
             question = f"What is the capital of {country}?"
-            answer = f"The capital of {country} is {_COUNTRIES[country]}."
+            answer = (f"{_COUNTRIES[country]} is the capital of {country}." if other else
+                      f"The capital of {country} is {_COUNTRIES[country]}.")
         elif kind == 1:
             a, b = rng.randrange(6), rng.randrange(5)
             question = f"What is {_NUMBERS[a]} plus {_NUMBERS[b]}?"
-            answer = f"{_NUMBERS[a].capitalize()} plus {_NUMBERS[b]} is {_NUMBERS[a + b]}."
+            answer = (f"It is {_NUMBERS[a + b]}." if other else
+                      f"{_NUMBERS[a].capitalize()} plus {_NUMBERS[b]} is {_NUMBERS[a + b]}.")
         else:
             colour, thing = rng.choice(_COLOURS), rng.choice(_THINGS)
             question = f"Describe a {colour} {thing} in one sentence."
-            answer = (f"The {colour} {thing} stands out, and everyone who sees the {thing} "
+            answer = (f"Everyone remembers the {thing} that was {colour}." if other else
+                      f"The {colour} {thing} stands out, and everyone who sees the {thing} "
                       f"remembers that it was {colour}.")
         samples.append({"messages": [
             {"role": "system", "content": "You are a concise assistant."},
@@ -101,12 +119,13 @@ def generate_chat_samples(num_samples: int, seed: int = 0) -> list[dict]:
     return samples
 
 
-def write_chat_dataset(path: str | Path, num_samples: int = 256, seed: int = 0) -> Path:
+def write_chat_dataset(path: str | Path, num_samples: int = 256, seed: int = 0,
+                       writer: str = "target") -> Path:
     """Write `generate_chat_samples` as JSONL (one `{"messages": [...]}` per line)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        for sample in generate_chat_samples(num_samples, seed):
+        for sample in generate_chat_samples(num_samples, seed, writer):
             f.write(json.dumps(sample) + "\n")
     return path
 
@@ -200,15 +219,60 @@ def build_tiny_target(path: str | Path, arch: str = "llama", num_layers: int = 8
     return path
 
 
-def tiny_target(arch: str = "llama", num_layers: int = 8) -> Path:
-    """Path of the cached tiny target of `arch` (built on first use, then reused)."""
-    path = cache_root() / f"tiny-v{KIT_VERSION}" / f"{arch}-{num_layers}l"
+def tiny_target(arch: str = "llama", num_layers: int = 8, pretrained: bool = False) -> Path:
+    """Path of the cached tiny target of `arch` (built on first use, then reused).
+
+    `pretrained=False`: random weights (tests of the contract and the engines need nothing
+    more). `pretrained=True`: the same target after `pretrain` on the kit's chat corpus, so that
+    it answers held-out prompts the way the corpus does -- the main job's default, since a draft
+    can only learn to predict a target that says something predictable.
+    """
+    name = f"{arch}-{num_layers}l" + (f"-pretrained-v{PRETRAIN_VERSION}" if pretrained else "")
+    path = cache_root() / f"tiny-v{KIT_VERSION}" / name
     if not (path / "config.json").exists():
-        logger.info("building tiny %s target at %s", arch, path)
+        logger.info("building tiny %s target at %s%s", arch, path,
+                    " (pre-training on the chat corpus: a minute or two)" if pretrained else "")
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            _atomic_place(build_tiny_target(Path(tmp) / "model", arch, num_layers), path)
+            built = build_tiny_target(Path(tmp) / "model", arch, num_layers)
+            if pretrained:
+                pretrain(built)
+            _atomic_place(built, path)
     return path
+
+
+def pretrain(path: Path, steps: int = PRETRAIN_STEPS, seed: int = 0) -> None:
+    """Train the checkpoint at `path` in place, as a causal LM on rendered conversations of the
+    kit's corpus (its own seed, apart from the main job's data), deterministically on the CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    rows = [tokenizer.apply_chat_template(sample["messages"], return_dict=True)["input_ids"]
+            for sample in generate_chat_samples(PRETRAIN_CONVERSATIONS, seed=PRETRAIN_SEED)]
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=steps)
+    model.train()
+    for step in range(steps):
+        picked = torch.randint(len(rows), (PRETRAIN_BATCH,), generator=generator).tolist()
+        width = max(len(rows[i]) for i in picked)
+        ids = torch.full((len(picked), width), tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for row, i in enumerate(picked):
+            ids[row, : len(rows[i])] = torch.tensor(rows[i])
+            attention[row, : len(rows[i])] = 1
+        labels = ids.masked_fill(attention == 0, -100)
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == steps - 1:
+            logger.info("pre-training the tiny target: step %d/%d, loss %.3f", step + 1, steps,
+                        float(loss))
+    model.eval().save_pretrained(path)
 
 
 def _atomic_place(built: Path, final: Path) -> None:

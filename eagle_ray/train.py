@@ -8,16 +8,19 @@ and evaluates the exported draft.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from eagle_ray.config import ConfigError, JobConfig, to_dict
+from eagle_ray.config import ClientConfig, ConfigError, JobConfig, to_dict
+from eagle_ray.identity import TargetIdentity
 from eagle_ray.train_loop import train_loop_per_worker
 
 logger = logging.getLogger(__name__)
@@ -36,52 +39,34 @@ def run_job(config: JobConfig) -> dict[str, Any]:
     from ray.train.torch import TorchConfig, TorchTrainer
     from transformers import AutoTokenizer
 
-    from eagle_ray.data import (
-        load_conversations,
-        load_or_build_draft_vocab,
-        make_micro_batches,
-        tokenize_chats,
-    )
-    from eagle_ray.identity import check_job_target
-    from eagle_ray.pool import TargetPool
+    from eagle_ray.ingest import prepare_job_data
     from eagle_ray.resources import check_job_resources
 
     check_paths(config)
     warn_about_settings(config)
     output_dir = Path(config.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    _init_ray(config)
+    init_ray(config)
     check_job_resources(config)
 
-    pool = None if config.use_shared_pool else TargetPool.create(config.target)
-    try:
-        shared = pool or TargetPool.connect(config.target.name, config.target.namespace)
-        served = shared.identity(config.target.ready_timeout_s)
-        check_job_target(config.target, served)
-        logger.info("the pool serves %s", served.describe())
+    with job_pool(config) as (pool, served):
         # A path the job names (its own mount of the same checkpoint) wins over the pool's.
         model_path = config.target.model_path or served.model_path
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        conversations = load_conversations(config.data.path, config.data.num_samples)
-        held_out = conversations[len(conversations) - config.data.eval_samples:] \
-            if config.data.eval_samples else []
-        max_length = min(config.data.max_length, served.max_length or config.data.max_length)
-        chats = tokenize_chats(conversations[:len(conversations) - len(held_out)], tokenizer,
-                               max_length, served.vocab_size, config.data.overlong)
-        vocab = load_or_build_draft_vocab(output_dir / "draft_vocab.json", chats.rows,
-                                          served.vocab_size, config.data.draft_vocab_size)
-        micro_batches = make_micro_batches(chats.rows, config.data.micro_batch_size,
-                                           tokenizer.pad_token_id or 0, config.train.seed)
+        data = prepare_job_data(config, served, model_path, tokenizer,
+                                pool.client(ClientConfig(max_inflight_micro_batches=16)),
+                                output_dir)
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={
                 "job": to_dict(config),
                 "model_path": model_path,
                 "target": served.to_dict(),
-                "micro_batches": ray.put(micro_batches),
-                "draft_to_target": vocab.draft_to_target.tolist(),
+                "pad_id": tokenizer.pad_token_id or 0,
+                "draft_to_target": data.vocab.draft_to_target.tolist(),
                 "output_dir": str(output_dir),
             },
+            datasets={"train": data.train},
             scaling_config=ScalingConfig(
                 num_workers=config.train.workers, use_gpu=config.train.use_gpu,
                 resources_per_worker={"CPU": config.train.cpus_per_worker,
@@ -96,25 +81,40 @@ def run_job(config: JobConfig) -> dict[str, Any]:
                     controller_failure_limit=config.train.max_controller_failures)),
         )
         result = trainer.fit()
-    finally:
-        if pool is not None:
-            pool.shutdown()
     summary: dict[str, Any] = {
         "final_metrics": result.metrics,
         "draft_dir": str(output_dir / "draft"),
         "target": served.to_dict(),
-        "data": {**chats.counts(), "max_length": max_length},
-        "micro_batches": len(micro_batches),
+        "data": data.statuses,
+        **({"regenerated": data.regenerated} if data.regenerated else {}),
     }
     if config.eval.enabled:
         from eagle_ray.evaluate import evaluate_draft
 
-        summary["eval"] = evaluate_draft(model_path, output_dir / "draft",
-                                         [messages for _, messages in held_out], tokenizer,
-                                         config.eval)
+        summary["eval"] = evaluate_draft(model_path, output_dir / "draft", data.held_out,
+                                         tokenizer, config.eval)
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     logger.info("summary: %s", json.dumps(summary, default=str))
     return summary
+
+
+@contextlib.contextmanager
+def job_pool(config: JobConfig) -> Iterator[tuple[Any, TargetIdentity]]:
+    """The job's pool and what it serves, checked against the job's target settings: started
+    for the job (and shut down after it), or the shared one named `target.name`."""
+    from eagle_ray.identity import check_job_target
+    from eagle_ray.pool import TargetPool
+
+    owned = None if config.use_shared_pool else TargetPool.create(config.target)
+    try:
+        pool = owned or TargetPool.connect(config.target.name, config.target.namespace)
+        served = pool.identity(config.target.ready_timeout_s)
+        check_job_target(config.target, served)
+        logger.info("the pool serves %s", served.describe())
+        yield pool, served
+    finally:
+        if owned is not None:
+            owned.shutdown()
 
 
 def warn_about_settings(config: JobConfig) -> None:
@@ -134,13 +134,16 @@ def check_paths(config: JobConfig) -> None:
         raise ConfigError(f"target.model_path {model_path!r} is not a model folder (no "
                           f"config.json); pass a local HF checkpoint, or null for the tiny "
                           f"built-in target")
-    if config.data.path is not None and not Path(config.data.path).is_file():
-        raise ConfigError(f"data.path {config.data.path!r} does not exist; pass a chat JSONL "
-                          f"file (messages or ShareGPT conversations), or null for generated "
-                          f"data")
+    paths = [config.data.path] if isinstance(config.data.path, str) else config.data.path or []
+    missing = [p for p in paths if not Path(p).exists()]
+    if missing:
+        raise ConfigError(f"data.path {missing} does not exist; pass chat JSONL or Parquet files "
+                          f"or folders (messages or ShareGPT conversations), or null for "
+                          f"generated data")
 
 
-def _init_ray(config: JobConfig) -> None:
+def init_ray(config: JobConfig) -> None:
+    """Join `ray_address` / RAY_ADDRESS / a running local cluster, or start a local one."""
     if ray.is_initialized():
         return
     address = config.ray_address or os.environ.get("RAY_ADDRESS")

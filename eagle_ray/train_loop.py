@@ -9,11 +9,13 @@ for the target the pool served.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 
 from eagle_ray.checkpoint import load_embedding_and_head
 from eagle_ray.config import ClientConfig, JobConfig, TrainConfig, from_dict
+from eagle_ray.data import padding_share, token_budget_micro_batches
 from eagle_ray.draft.export import export_draft
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
 from eagle_ray.identity import TargetIdentity
@@ -69,26 +72,27 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         start_step = state["step"]
         logger.info("worker %d resumes at step %d", rank, start_step)
 
-    micro_batches = ray.get(loop_config["micro_batches"])[rank::world]
     client = PoolClient.connect(job.target.name, job.target.namespace,
                                 ClientConfig(max_inflight_micro_batches=train.prefetch))
-
-    def my_micro_batches():
-        for step in range(start_step, train.steps):
-            yield micro_batches[step % len(micro_batches)]
+    micro_batches = TimedIterator(itertools.islice(
+        shard_micro_batches(ray.train.get_dataset_shard("train"), job, loop_config["pad_id"],
+                            rank), train.steps - start_step))
 
     metrics_path = Path(loop_config["output_dir"]) / "metrics.jsonl"
     progress = tqdm(total=train.steps, initial=start_step, disable=rank != 0, desc="draft",
                     unit="step")
     # Logged metrics average over the steps since the last log (single steps are noisy).
     window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
+    window_data_wait = micro_batches.seconds
     window_sums: dict[str, float] = {}
     window_steps = 0
-    supervision = client.stream(my_micro_batches())
+    supervision = client.stream(micro_batches)
     for step in range(start_step, train.steps):
         waited = time.perf_counter()
         batch = next(supervision).to(device)
         window_wait += time.perf_counter() - waited
+        window_sums["padding_share"] = window_sums.get("padding_share", 0.0) + padding_share(
+            (batch.input_ids, batch.attention_mask, batch.loss_mask))
         probs, position_mask = draft_target(batch, vocab, head)
         loss, step_losses, step_accuracies = ttt_loss(
             model, batch.aux_hidden_states.float(), batch.input_ids, batch.attention_mask,
@@ -110,11 +114,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if done % train.log_every and done % train.checkpoint_every and done != train.steps:
             continue
         elapsed = time.perf_counter() - window_start
+        data_wait = micro_batches.seconds - window_data_wait
         metrics = {"step": done, "lr": scheduler.get_last_lr()[0],
                    **{name: total / window_steps for name, total in window_sums.items()},
                    "supervision_tokens_per_s": window_tokens * world / max(elapsed, 1e-9),
-                   "pool_wait_share": window_wait / max(elapsed, 1e-9)}
+                   # Waiting for supervision includes reading the data (the client pulls the
+                   # next micro-batch when it has room): report the two apart.
+                   "pool_wait_share": max(window_wait - data_wait, 0.0) / max(elapsed, 1e-9),
+                   "data_wait_share": data_wait / max(elapsed, 1e-9)}
         window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
+        window_data_wait = micro_batches.seconds
         window_sums, window_steps = {}, 0
         progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}")
         if rank == 0:
@@ -133,6 +142,45 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     progress.close()
     if rank == 0:
         export_draft(draft, vocab, served, Path(loop_config["output_dir"]) / "draft")
+
+
+def shard_micro_batches(shard, job: JobConfig, pad_id: int, rank: int
+                        ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """This worker's shard of the training rows as token-budget micro-batches, epoch after
+    epoch (each epoch's row order and packing seeded by the epoch), for as long as asked."""
+    data = job.data
+    for epoch in itertools.count():
+        seed = job.train.seed * 1000 + epoch
+        rows = ((ids, mask) for batch in shard.iter_batches(
+                    batch_size=data.shuffle_window, batch_format="numpy",
+                    local_shuffle_buffer_size=data.shuffle_window, local_shuffle_seed=seed)
+                for ids, mask in zip(batch["input_ids"], batch["loss_mask"], strict=True))
+        produced = 0
+        for micro_batch in token_budget_micro_batches(
+                rows, data.max_tokens_per_micro_batch, data.micro_batch_size,
+                data.shuffle_window, pad_id, seed):
+            produced += 1
+            yield micro_batch
+        if not produced:
+            raise RuntimeError(f"worker {rank} received no training rows: the dataset has fewer "
+                               f"rows than workers (train.workers={job.train.workers})")
+
+
+class TimedIterator:
+    """An iterator that adds up the time spent inside its `next` (`seconds`)."""
+
+    def __init__(self, iterator: Iterator) -> None:
+        self.iterator, self.seconds = iterator, 0.0
+
+    def __iter__(self) -> TimedIterator:
+        return self
+
+    def __next__(self):
+        started = time.perf_counter()
+        try:
+            return next(self.iterator)
+        finally:
+            self.seconds += time.perf_counter() - started
 
 
 def _warmup_cosine(train: TrainConfig):

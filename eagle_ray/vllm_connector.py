@@ -24,7 +24,8 @@ v1/example_hidden_states_connector.py`; check them on every vLLM upgrade):
   `_kv_cache`, `_block_size`, `_req_copy_events` (polled with `.query()`), `_req_futures`,
   `_executor`, `_get_copy_stream()`, `_on_write_done(req_id, future)`, and `use_lock`;
 - `request_finished(request, block_ids) -> (delay_free, kv_transfer_params)`, whose params reach
-  the caller as `RequestOutput.kv_transfer_params`.
+  the caller as `RequestOutput.kv_transfer_params`; the scheduler-side `Request.sampling_params`
+  (`extra_args`), and the base class's `_request_filenames` (dropped for requests not captured).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from eagle_ray.vllm_handoff import PARAMS_KEY, handoff_from_config, handoff_key
+from eagle_ray.vllm_handoff import CAPTURE_ARG, PARAMS_KEY, handoff_from_config, handoff_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -85,6 +86,10 @@ class EagleRayHiddenStatesConnector(ExampleHiddenStatesConnector):
         Keeps the blocks until the worker has gathered the states, and tells the caller the key
         they will be published under (it arrives in `RequestOutput.kv_transfer_params`).
         """
+        extra = (request.sampling_params.extra_args or {}) if request.sampling_params else {}
+        if not extra.get(CAPTURE_ARG, True):  # text generation: nobody takes these states
+            self._request_filenames.pop(request.request_id, None)
+            return False, None
         delay, params = super().request_finished(request, block_ids)
         if params is None:
             return delay, None

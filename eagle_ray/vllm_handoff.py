@@ -24,6 +24,9 @@ import torch
 SHM_DIR = "/dev/shm"
 HANDOFF_KINDS = ("inprocess", "shm", "file")  # what users may ask for (`handoff=`)
 PARAMS_KEY = "eagle_ray_hidden_states"  # key in a finished request's kv_transfer_params
+# SamplingParams.extra_args flag: False for requests whose states nobody takes (text generation
+# through the capturing engine); the connector then saves nothing for them.
+CAPTURE_ARG = "eagle_ray_capture"
 
 
 def handoff_key(engine_tag: str, request_id: str) -> str:

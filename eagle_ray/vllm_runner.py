@@ -19,8 +19,14 @@ from typing import Any
 
 import torch
 
-from eagle_ray.target_runner import RunnerOutput, TargetRunner
-from eagle_ray.vllm_handoff import PARAMS_KEY, Handoff, choose_handoff, handoff_key
+from eagle_ray.target_runner import RunnerOutput, Sampling, TargetRunner
+from eagle_ray.vllm_handoff import (
+    CAPTURE_ARG,
+    PARAMS_KEY,
+    Handoff,
+    choose_handoff,
+    handoff_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +200,22 @@ class VLLMTargetRunner(TargetRunner):
                     self.handoff.discard(key)
             raise
         return self._pad(states, input_ids.shape, outputs)
+
+    def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+        """Generate continuations with the same engine (vLLM holds one per process). These
+        requests are flagged so the connector captures nothing for them."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=sampling.max_new_tokens,
+                                temperature=sampling.temperature, top_p=sampling.top_p,
+                                seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids),
+                                detokenize=False, extra_args={CAPTURE_ARG: False})
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                    use_tqdm=False)
+        if not self.multiprocess:
+            self._drain()
+        return [list(o.outputs[0].token_ids) for o in outputs]
 
     def _drain(self) -> None:
         """Step an in-process engine until the scheduler is empty.

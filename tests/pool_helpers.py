@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -16,6 +17,17 @@ SYNTHETIC = "eagle_ray.testing:fixed_latency_target"
 TESTS_ON_WORKER_PATH = {"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}}
 HIDDEN = 8
 VOCAB = 1024
+
+
+@contextlib.contextmanager
+def running_ray(num_cpus: int = 4, object_store_mb: int = 300, **kwargs):
+    """A local Ray instance for one test module, shut down afterwards."""
+    ray.init(num_cpus=num_cpus, object_store_memory=object_store_mb * 2**20,
+             include_dashboard=False, **kwargs)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def synthetic_pool(name: str, replicas: int = 2, wait: bool = True, backend_kwargs=None,

@@ -51,10 +51,11 @@ def test_a_misspelt_custom_resource_never_fits():
 def test_more_workers_than_cpus_never_fit():
     problems = never_fit(job_demands(job(train={"workers": 5, "cpus_per_worker": 1.0})),
                          TWO_CPUS)
-    assert problems == ["the job asks for 5.5 CPU in all (replicas and trainer workers) but the "
-                        "cluster could offer 2; lower target.tp_size / cpus_per_bundle / "
-                        "use_gpu / bundle_resources or train.workers / cpus_per_worker / use_gpu "
-                        "/ worker_resources"]
+    assert problems == ["the job asks for 5.8 CPU in all (replicas, trainer workers, data "
+                        "ingest) but the cluster could offer 2; lower data.cpus_per_task / "
+                        "tokenize_workers or target.tp_size / cpus_per_bundle / use_gpu / "
+                        "bundle_resources or train.workers / cpus_per_worker / use_gpu / "
+                        "worker_resources"]
 
 
 def test_a_replica_larger_than_any_node_never_fits():
@@ -76,7 +77,7 @@ def test_node_types_an_autoscaler_can_launch_count():
 
 def test_a_job_joining_a_shared_pool_asks_only_for_its_workers():
     demands = job_demands(job(use_shared_pool=True))
-    assert [d.what for d in demands] == ["trainer worker 0", "trainer worker 1"]
+    assert [d.what for d in demands] == ["trainer worker 0", "trainer worker 1", "data ingest"]
 
 
 @pytest.fixture(scope="class")
@@ -93,7 +94,7 @@ class TestOnARealCluster:
     @pytest.mark.parametrize(("section", "message"), [
         ({"train": {"use_gpu": True}}, "'GPU' exists nowhere"),
         ({"train": {"worker_resources": {"trainer_nod": 1}}}, "'trainer_nod' exists nowhere"),
-        ({"train": {"workers": 5, "cpus_per_worker": 1.0}}, "asks for 5.5 CPU in all"),
+        ({"train": {"workers": 5, "cpus_per_worker": 1.0}}, "asks for 5.8 CPU in all"),
     ])
     def test_the_job_fails_at_once_and_leaves_nothing_behind(self, tmp_path, section, message):
         config = job(output_dir=str(tmp_path), target={"name": "never", "cpus_per_bundle": 0.5,
@@ -108,6 +109,6 @@ class TestOnARealCluster:
         ray.get(hog.ping.remote(), timeout=60)
         with caplog.at_level(logging.WARNING, logger="eagle_ray.resources"):
             check_job_resources(job())
-        assert "waiting for resources: the job needs {CPU: 1.5}, free now {CPU: 0.5}" \
+        assert "waiting for resources: the job needs {CPU: 1.8}, free now {CPU: 0.5}" \
             in caplog.text
         ray.kill(hog)

@@ -5,9 +5,16 @@ errors naming the key); `pool` holds the pool's and the client's settings, `job`
 job's. This package imports nothing else of eagle_ray, so any module may depend on it.
 """
 
-from eagle_ray.config.job import DataConfig, EvalConfig, JobConfig, TrainConfig
+from eagle_ray.config.job import (
+    DataConfig,
+    EvalConfig,
+    JobConfig,
+    RegenerateConfig,
+    TrainConfig,
+)
 from eagle_ray.config.loader import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 
 __all__ = ["ClientConfig", "ConfigError", "DataConfig", "EvalConfig", "JobConfig", "PoolConfig",
-           "TrainConfig", "apply_overrides", "from_dict", "load_yaml", "to_dict"]
+           "RegenerateConfig", "TrainConfig", "apply_overrides", "from_dict", "load_yaml",
+           "to_dict"]

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -31,8 +32,8 @@ from eagle_ray.pool.failures import FailureKind, classify
 from eagle_ray.pool.inflight import InFlightMicroBatch
 from eagle_ray.pool.router import NoReplicaAvailable
 from eagle_ray.pool.states import MicroBatchPhase
-from eagle_ray.pool.transport import batch_from_numpy
-from eagle_ray.target_batch import Eagle3TargetBatch, validate_micro_batch
+from eagle_ray.target_batch import Eagle3TargetBatch, validate_micro_batch, validate_prompts
+from eagle_ray.target_runner import Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -125,15 +126,29 @@ class PoolClient:
                              max_length=self.max_length)
         num_tokens = int(attention_mask.sum())
         self._wait_for_room(num_tokens)
+        return self._enqueue(ray.put(tuple(t.detach().cpu().numpy()
+                                           for t in (input_ids, attention_mask, loss_mask))),
+                             num_tokens)
+
+    def _enqueue(self, inputs: ray.ObjectRef, num_tokens: int, **how: Any) -> int:
         micro_batch_id = next(self._ids)
-        inputs = ray.put(tuple(t.detach().cpu().numpy()
-                               for t in (input_ids, attention_mask, loss_mask)))
-        item = InFlightMicroBatch(micro_batch_id, inputs, num_tokens)
+        item = InFlightMicroBatch(micro_batch_id, inputs, num_tokens, **how)
         self._inflight[micro_batch_id] = item
         self._lease(item)
         self.stats["submitted"] += 1
         self.stats["max_inflight"] = max(self.stats["max_inflight"], len(self._inflight))
         return micro_batch_id
+
+    def submit_completion(self, prompts: list[list[int]], sampling: Sampling) -> int:
+        """Queue text generation for token-id `prompts` (answer regeneration); `result(id)` then
+        returns the generated token lists. Exactly once and retried like supervision."""
+        self._raise_fatal()
+        validate_prompts(prompts, vocab_size=self.vocab_size, max_length=self.max_length,
+                         max_new_tokens=sampling.max_new_tokens)
+        num_tokens = sum(map(len, prompts)) + len(prompts) * sampling.max_new_tokens
+        self._wait_for_room(num_tokens)
+        return self._enqueue(ray.put(([list(p) for p in prompts], dataclasses.asdict(sampling))),
+                             num_tokens, method="complete", decode=list)
 
     def next_result(self) -> tuple[int, Eagle3TargetBatch]:
         """The oldest submitted micro-batch's supervision (blocks until it is ready)."""
@@ -254,7 +269,7 @@ class PoolClient:
         item.replica = replica
         item.attempts += 1
         item.deadline = time.monotonic() + self.config.timeout_s
-        item.result_ref = handle.generate.remote(item.micro_batch_id, item.inputs)
+        item.result_ref = getattr(handle, item.method).remote(item.micro_batch_id, item.inputs)
 
     def _on_result(self, item: InFlightMicroBatch) -> None:
         try:
@@ -279,7 +294,7 @@ class PoolClient:
         self._release(item, ok=True)
         if item.replica in item.failed_on:
             self.stats["reruns_on_same_replica"] += 1
-        item.succeed(batch_from_numpy(payload))
+        item.succeed(item.decode(payload))
 
     def _attempt_failed(self, item: InFlightMicroBatch, reason: str, replica_died: bool,
                         cancel: bool = False) -> None:

@@ -30,7 +30,7 @@ class FailureKind(enum.Enum):
 
 def classify(error: BaseException) -> FailureKind:
     """The kind of `error` (the original exception, not Ray's wrapper)."""
-    if isinstance(error, SelfCheckError):
+    if isinstance(error, SelfCheckError | NotImplementedError):  # e.g. a backend without text
         return FailureKind.CONFIGURATION
     if isinstance(error, ValueError | TypeError):
         return FailureKind.BAD_INPUT

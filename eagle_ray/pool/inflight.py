@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import ray
 
 from eagle_ray.pool.states import MicroBatchPhase
-from eagle_ray.target_batch import Eagle3TargetBatch
+from eagle_ray.pool.transport import batch_from_numpy
 
 
 @dataclasses.dataclass
@@ -15,8 +17,10 @@ class InFlightMicroBatch:
     """One submitted micro-batch and where it stands."""
 
     micro_batch_id: int
-    inputs: ray.ObjectRef  # (input_ids, attention_mask, loss_mask) numpy, put once, reused
+    inputs: ray.ObjectRef  # the replica method's argument, put once, reused on every attempt
     num_tokens: int
+    method: str = "generate"  # the replica method: supervision, or "complete" for text
+    decode: Callable[[Any], Any] = batch_from_numpy  # the replica's answer -> the result
     phase: MicroBatchPhase = MicroBatchPhase.LEASING
     lease_ref: ray.ObjectRef | None = None  # LEASING: the router's answer
     result_ref: ray.ObjectRef | None = None  # RUNNING: the replica's answer
@@ -26,14 +30,14 @@ class InFlightMicroBatch:
     attempts: int = 0
     failed_on: list[str] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)
-    result: Eagle3TargetBatch | None = None  # SUCCEEDED
+    result: Any = None  # SUCCEEDED: an Eagle3TargetBatch, or token lists for "complete"
     error: BaseException | None = None  # FAILED
 
     @property
     def done(self) -> bool:
         return self.phase in (MicroBatchPhase.SUCCEEDED, MicroBatchPhase.FAILED)
 
-    def succeed(self, result: Eagle3TargetBatch) -> None:
+    def succeed(self, result: Any) -> None:
         self.phase, self.result, self.result_ref = MicroBatchPhase.SUCCEEDED, result, None
 
     def fail(self, error: BaseException) -> None:

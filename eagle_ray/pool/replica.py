@@ -6,6 +6,7 @@ import importlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,20 +17,20 @@ from eagle_ray.config.pool import PoolConfig
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.failures import FailureKind, classify
 from eagle_ray.pool.transport import batch_to_numpy
-from eagle_ray.target_batch import validate_micro_batch
-from eagle_ray.target_runner import RunnerEagle3TargetModel
+from eagle_ray.target_batch import validate_micro_batch, validate_prompts
+from eagle_ray.target_runner import RunnerEagle3TargetModel, Sampling
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(config: PoolConfig) -> str | None:
-    """The checkpoint a replica serves: the configured one, the built-in tiny Llama when none is
-    configured, nothing for a factory backend without a path."""
+    """The checkpoint a replica serves: the configured one, the built-in tiny Llama (pre-trained
+    on the kit's chat corpus) when none is configured, nothing for a factory backend."""
     if config.model_path is not None or ":" in config.backend:
         return config.model_path
     from eagle_ray.tiny import tiny_target
 
-    return str(tiny_target("llama"))
+    return str(tiny_target("llama", pretrained=True))
 
 
 def build_backend(config: PoolConfig) -> RunnerEagle3TargetModel:
@@ -113,15 +114,33 @@ class TargetReplica:
         tensors = micro_batch_tensors(inputs)
         validate_micro_batch(*tensors, vocab_size=self.backend.vocab_size,
                              max_length=self.backend.max_length)
-        try:
-            batch = self.backend.generate_batch(*tensors)
-        except Exception as e:
-            if classify(e) is not FailureKind.TRANSIENT:
-                raise
-            logger.exception("replica %d: engine failed on micro-batch %d; exiting so Ray "
-                             "restarts this replica with a fresh engine", self.index,
-                             micro_batch_id)
-            os._exit(1)
+        batch = self._serve(micro_batch_id, lambda: self.backend.generate_batch(*tensors))
         self.served_tokens += int(tensors[1].sum())
         self.served_micro_batches += 1
         return batch_to_numpy(batch)
+
+    @ray.method(concurrency_group="generate")
+    def complete(self, request_id: int, request: tuple[list[list[int]], dict[str, Any]]
+                 ) -> list[list[int]]:
+        """Generated tokens for `(prompts, sampling)` (answer regeneration), with the same engine
+        and the same error handling as `generate`."""
+        prompts, sampling = request
+        sampling = Sampling(**sampling)
+        validate_prompts(prompts, vocab_size=self.backend.vocab_size,
+                         max_length=self.backend.max_length,
+                         max_new_tokens=sampling.max_new_tokens)
+        generated = self._serve(request_id, lambda: self.backend.complete(prompts, sampling))
+        self.served_tokens += sum(map(len, prompts)) + sum(map(len, generated))
+        self.served_micro_batches += 1
+        return generated
+
+    def _serve(self, request_id: int, call: Callable[[], Any]) -> Any:
+        """Run `call` on the engine; a transient failure ends the process (Ray restarts it)."""
+        try:
+            return call()
+        except Exception as e:
+            if classify(e) is not FailureKind.TRANSIENT:
+                raise
+            logger.exception("replica %d: engine failed on request %d; exiting so Ray "
+                             "restarts this replica with a fresh engine", self.index, request_id)
+            os._exit(1)

@@ -1,0 +1,272 @@
+"""Chat data at cluster scale: files -> Ray Data -> tokenised rows, streamed to the trainers.
+
+Nothing is collected on the driver. `read_chats` reads JSONL or Parquet (a file, a folder, or a
+list of them) with Ray Data; `tokenized` adds a `map_batches` stage that renders and masks each
+conversation with the target's chat template (`eagle_ray.chat`) on the cluster's CPUs and marks
+what happened to it; the workers read their shard with `ray.train.get_dataset_shard` and build
+token-budget micro-batches (`eagle_ray.data.token_budget_micro_batches`). The driver makes one
+streaming pass (`count_answers`) for the draft vocabulary and the counts, cached beside it.
+
+Held-out evaluation conversations are the first `eval_samples` of the dataset (deterministic),
+removed from training by content.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import ray.data
+import torch
+
+from eagle_ray.chat import conversation_key, conversation_messages
+from eagle_ray.config import ConfigError, JobConfig
+from eagle_ray.data import STATUSES, TRAINED, load_or_build_draft_vocab, tokenize_row
+from eagle_ray.identity import TargetIdentity
+from eagle_ray.pool.client import PoolClient
+from eagle_ray.supervision import DraftVocab
+from eagle_ray.target_runner import Sampling
+
+logger = logging.getLogger(__name__)
+
+CHAT_COLUMNS = ("messages", "conversations")
+# `data.path: null` trains on the kit's chats answered by "another model" (`tiny`), so that
+# regenerating them with the target changes what the draft learns, as with real datasets.
+GENERATED_WRITER = "other"
+# Training rows smaller than this share of the cluster's object store are materialised there
+# once instead of re-read every epoch; a row costs its ids and mask (int64 each) per token.
+CACHE_SHARE = 0.1
+BYTES_PER_TOKEN = 16
+
+
+def read_chats(paths: str | list[str] | None, num_samples: int, cpus_per_task: float):
+    """The chat data as a Ray Dataset with a `messages` or `conversations` column per row:
+    JSONL / Parquet files or folders, or the built-in generated data when `paths` is None."""
+    if paths is None:
+        from eagle_ray.tiny import generate_chat_samples
+
+        return ray.data.from_items(generate_chat_samples(num_samples, writer=GENERATED_WRITER))
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    parquet = [p for p in paths if _is_parquet(p)]
+    jsonl = [p for p in paths if p not in parquet]
+    datasets = []
+    if jsonl:
+        datasets.append(ray.data.read_json(jsonl, lines=True, num_cpus=cpus_per_task))
+    if parquet:
+        datasets.append(ray.data.read_parquet(parquet, num_cpus=cpus_per_task))
+    return datasets[0] if len(datasets) == 1 else datasets[0].union(*datasets[1:])
+
+
+def _is_parquet(path: str) -> bool:
+    target = Path(path)
+    if target.is_dir():
+        return any(target.glob("*.parquet"))
+    return target.suffix == ".parquet"
+
+
+class TokenizeChats:
+    """The `map_batches` stage: `eagle_ray.data.tokenize_row` for each conversation; every row
+    comes out with its `status`, `key`, `input_ids`, `loss_mask` and `length`."""
+
+    def __init__(self, model_path: str, max_length: int, vocab_size: int, overlong: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.max_length, self.vocab_size, self.overlong = max_length, vocab_size, overlong
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        columns = {"status": [], "key": [], "input_ids": [], "loss_mask": [], "length": []}
+        for i in range(len(next(iter(batch.values())))):
+            messages = row_messages({c: batch[c][i] for c in CHAT_COLUMNS if c in batch})
+            status, ids, mask = tokenize_row(self.tokenizer, messages, self.max_length,
+                                             self.vocab_size, self.overlong, "a dataset row")
+            for name, value in (("status", status), ("key", conversation_key(messages)),
+                                ("input_ids", np.asarray(ids, dtype=np.int64)),
+                                ("loss_mask", np.asarray(mask, dtype=np.int64)),
+                                ("length", len(ids))):
+                columns[name].append(value)
+        return {name: _column(values) for name, values in columns.items()}
+
+
+def row_messages(columns: dict[str, Any]) -> list[dict[str, str]]:
+    """A dataset row's conversation, whichever of the two shapes it has."""
+    return conversation_messages({c: _plain(v) for c, v in columns.items() if _present(v)},
+                                 "a dataset row")
+
+
+def tokenized(dataset, model_path: str, max_length: int, vocab_size: int, overlong: str,
+              cpus_per_task: float, workers: int = 1):
+    """`dataset` with the tokenisation stage added (lazy: nothing runs until it is read), on
+    `workers` actors."""
+    return dataset.map_batches(
+        TokenizeChats, batch_size=64, compute=ray.data.ActorPoolStrategy(size=workers),
+        num_cpus=cpus_per_task,
+        fn_constructor_kwargs={"model_path": model_path, "max_length": max_length,
+                               "vocab_size": vocab_size, "overlong": overlong})
+
+
+def held_out(dataset, count: int) -> list[list[dict[str, str]]]:
+    """The first `count` conversations of `dataset`, in its order (deterministic)."""
+    if count <= 0:
+        return []
+    return [row_messages({c: r.get(c) for c in CHAT_COLUMNS})
+            for r in dataset.limit(count).take_all()]
+
+
+def training_rows(tokenized_dataset, held_out_keys: Iterable[str], cpus_per_task: float = 0.25):
+    """Rows the trainers read: kept or truncated, and not held out."""
+    excluded = frozenset(held_out_keys)
+    return tokenized_dataset.filter(
+        lambda row: row["status"] in TRAINED and row["key"] not in excluded,
+        num_cpus=cpus_per_task)
+
+
+def count_answers(tokenized_dataset, held_out_keys: Iterable[str], vocab_size: int
+                  ) -> tuple[np.ndarray, collections.Counter, int]:
+    """One streaming pass on the driver: answer-token counts over the training rows (for the
+    draft vocabulary), what happened to every conversation (`STATUSES`) and the training rows'
+    tokens."""
+    excluded = frozenset(held_out_keys)
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    statuses: collections.Counter = collections.Counter()
+    tokens = 0
+    for batch in tokenized_dataset.iter_batches(batch_size=256, batch_format="numpy"):
+        for status, key, ids, mask in zip(batch["status"], batch["key"], batch["input_ids"],
+                                          batch["loss_mask"], strict=True):
+            if key in excluded:
+                continue
+            statuses[str(status)] += 1
+            if status in TRAINED:
+                counts += np.bincount(ids[mask == 1], minlength=vocab_size)
+                tokens += len(ids)
+    return counts, statuses, tokens
+
+
+def _present(value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and np.isnan(value))
+
+
+def _plain(value: Any) -> Any:
+    """Arrow/numpy nested values as plain Python lists and dicts."""
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value]
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _column(values: list[Any]) -> np.ndarray:
+    if values and isinstance(values[0], np.ndarray):
+        column = np.empty(len(values), dtype=object)
+        column[:] = values
+        return column
+    return np.asarray(values)
+
+
+@dataclasses.dataclass
+class JobData:
+    """What the training job trains on and evaluates with."""
+
+    train: Any  # Ray Dataset of training rows (`input_ids`, `loss_mask`, ...), lazily streamed
+    held_out: list[list[dict[str, str]]]  # evaluation conversations (never trained on)
+    vocab: DraftVocab
+    statuses: dict[str, int]  # what happened to the training conversations (`data.STATUSES`)
+    regenerated: dict[str, Any] | None  # the regeneration report, when answers were regenerated
+
+
+def prepare_job_data(config: JobConfig, served: TargetIdentity, model_path: str, tokenizer,
+                     client: PoolClient, output_dir: Path) -> JobData:
+    """Read (and, with `regenerate.enabled`, regenerate) the job's data; split off the held-out
+    conversations; build the tokenised training dataset and the draft vocabulary."""
+    # The workers' split coordinator re-executes the dataset every epoch; Ray Data's progress
+    # bars would print a set per execution into the driver's console. The job logs its counts.
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    data = config.data
+    source = read_chats(data.path, data.num_samples, data.cpus_per_task)
+    held = held_out(source, data.eval_samples)
+    held_keys = {conversation_key(m) for m in held}
+    regenerated = None
+    if config.regenerate.enabled:
+        path, regenerated = regenerate_job_data(config, served, tokenizer, client, held_keys,
+                                                output_dir)
+        source = read_chats(str(path), 0, data.cpus_per_task)
+    max_length = min(data.max_length, served.max_length or data.max_length)
+    rows = tokenized(source, model_path, max_length, served.vocab_size, data.overlong,
+                     data.cpus_per_task, data.tokenize_workers)
+    cache_source = {"data": data.path, "num_samples": data.num_samples, "max_length": max_length,
+                    "overlong": data.overlong, "eval_samples": data.eval_samples,
+                    "target": served.fingerprint,
+                    "regenerated": regenerated["file"] if regenerated else None}
+
+    def count() -> tuple[torch.Tensor, dict[str, int]]:
+        counts, statuses, tokens = count_answers(rows, held_keys, served.vocab_size)
+        return torch.from_numpy(counts), {**{s: statuses[s] for s in STATUSES},
+                                          "training_tokens": tokens}
+
+    vocab, statuses = load_or_build_draft_vocab(output_dir / "draft_vocab.json", cache_source,
+                                                count, served.vocab_size, data.draft_vocab_size)
+    logger.info("data: %s (max_length %d); %d held out", statuses, max_length, len(held))
+    train = training_rows(rows, held_keys, data.cpus_per_task)
+    if statuses["training_tokens"] * BYTES_PER_TOKEN < CACHE_SHARE * _object_store_bytes():
+        # Small enough to keep: later epochs then neither re-read nor re-tokenise (a new
+        # execution per epoch starts a tokenising actor and leaves the trainers waiting).
+        logger.info("keeping the tokenised training rows in the object store (%.1f MiB)",
+                    statuses["training_tokens"] * BYTES_PER_TOKEN / 2**20)
+        train = train.materialize()
+    return JobData(train, held, vocab, {**statuses, "max_length": max_length}, regenerated)
+
+
+def _object_store_bytes() -> float:
+    return float(ray.cluster_resources().get("object_store_memory", 0.0))
+
+
+def regenerate_job_data(config: JobConfig, served: TargetIdentity, tokenizer,
+                        client: PoolClient, held_keys: set[str], output_dir: Path
+                        ) -> tuple[Path, dict[str, Any]]:
+    """The job's training conversations with the target's own answers, cached in `output_dir`
+    (named by what they depend on; an interrupted run resumes)."""
+    from eagle_ray.regenerate import regenerate_file
+    from eagle_ray.tiny import write_chat_dataset
+
+    data, settings = config.data, config.regenerate
+    if data.path is None:
+        source = write_chat_dataset(output_dir / f"chats-{data.num_samples}.jsonl",
+                                    data.num_samples, writer=GENERATED_WRITER)
+    elif isinstance(data.path, str) and Path(data.path).is_file() \
+            and not _is_parquet(data.path):
+        source = Path(data.path)
+    else:
+        raise ConfigError("regenerate.enabled needs data.path to be one JSONL file (or null for "
+                          f"the generated data), got {data.path!r}; run `eagle-ray regenerate` "
+                          "per file first")
+    sampling = Sampling(max_new_tokens=settings.max_new_tokens,
+                        temperature=settings.temperature, top_p=settings.top_p,
+                        seed=settings.seed)
+    depends_on = json.dumps([_file_digest(source), served.fingerprint,
+                             dataclasses.asdict(sampling), sorted(held_keys)])
+    path = output_dir / f"regenerated-{hashlib.sha1(depends_on.encode()).hexdigest()[:12]}.jsonl"
+    report = regenerate_file(client, tokenizer, source, path, sampling,
+                             fingerprint=served.fingerprint, skip_keys=held_keys,
+                             conversations_per_wave=settings.conversations_per_wave,
+                             prompts_per_request=settings.prompts_per_request)
+    return path, {**dataclasses.asdict(report), "changed_share": round(report.changed_share, 4),
+                  "file": str(path)}
+
+
+def _file_digest(path: Path) -> str:
+    """Content hash of a file (read in chunks): the regenerated cache follows the data."""
+    digest = hashlib.sha1()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(2**20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
