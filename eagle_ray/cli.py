@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 logger = logging.getLogger("eagle_ray")
 
@@ -46,14 +47,29 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _job_console(job, verbose: bool) -> Path:
+    """Console for a job command: stage lines and bars here, the rest in
+    `<output_dir>/job.log` (`eagle_ray.console`)."""
+    from eagle_ray.console import setup_console
+
+    log_file = Path(job.output_dir).resolve() / "job.log"
+    setup_console(log_file, verbose)
+    logger.info("logs of Ray, Ray Data, Ray Train and vLLM: %s%s", log_file,
+                "" if verbose else " (--verbose shows them here)")
+    return log_file
+
+
 def _train(args: argparse.Namespace) -> int:
-    """Train (and evaluate) an EAGLE-3 draft fed by the target pool."""
+    """Train (and evaluate) an EAGLE-3 draft fed by the target pool; prints a summary table
+    with the command that serves the draft (`summary.json` and `report.png` in output_dir)."""
     from eagle_ray.config import JobConfig, load_yaml
+    from eagle_ray.report import format_summary
     from eagle_ray.train import run_job
 
-    summary = run_job(load_yaml(JobConfig, args.config, args.overrides))
-    print(json.dumps({"eval": summary.get("eval"), "draft_dir": summary["draft_dir"],
-                      "final_metrics": summary["final_metrics"]}, default=str))
+    job = load_yaml(JobConfig, args.config, args.overrides)
+    log_file = _job_console(job, args.verbose)
+    summary = run_job(job, log_to_driver=args.verbose)
+    print(format_summary({**summary, "log_file": str(log_file)}), flush=True)
     return 0
 
 
@@ -75,8 +91,9 @@ def _regenerate(args: argparse.Namespace) -> int:
     overrides = [f"regenerate.{o}" if o.partition("=")[0] in sampling_keys else o
                  for o in args.overrides]
     job = load_yaml(JobConfig, args.config, overrides)
+    _job_console(job, args.verbose)
     settings = job.regenerate
-    init_ray(job)
+    init_ray(job, log_to_driver=args.verbose)
     with job_pool(job) as (pool, served):
         tokenizer = AutoTokenizer.from_pretrained(job.target.model_path or served.model_path)
         report = regenerate_file(
@@ -101,13 +118,16 @@ def _eval(args: argparse.Namespace) -> int:
     from eagle_ray.evaluate import evaluate_draft
     from eagle_ray.ingest import held_out as first_conversations
     from eagle_ray.ingest import read_chats
+    from eagle_ray.report import format_summary
 
     job = load_yaml(JobConfig, args.config, args.overrides)
+    _job_console(job, args.verbose)
     model_path = job.target.model_path or exported_target(args.draft).model_path
     held_out = first_conversations(read_chats(job.data.path, job.data.num_samples,
                                               job.data.cpus_per_task), job.data.eval_samples)
     report = evaluate_draft(model_path, args.draft, held_out,
                             AutoTokenizer.from_pretrained(model_path), job.eval)
+    print(format_summary({"eval": report, "draft_dir": args.draft}))
     print(json.dumps(report))
     return 0
 

@@ -19,6 +19,7 @@ import torch
 
 from eagle_ray.chat import prompt_for_turn, stop_token_ids
 from eagle_ray.config import EvalConfig
+from eagle_ray.console import native_output_to_log
 from eagle_ray.draft.export import load_exported_draft
 from eagle_ray.draft.model import Eagle3Draft, shift_left
 from eagle_ray.hf_target import HFEagle3TargetModel
@@ -49,11 +50,12 @@ def greedy_generate(target: HFEagle3TargetModel, prompt: list[int], max_new_toke
 @torch.inference_mode()
 def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,
                         prompts: list[list[int]], k: int, max_new_tokens: int,
-                        stop_token_ids: tuple[int, ...] = ()) -> float:
+                        stop_token_ids: tuple[int, ...] = ()) -> tuple[float, list[float]]:
     """Mean acceptance length of greedy chain drafting of `k` tokens (tokens gained per target
-    forward), over each answer up to its end-of-turn token (as vLLM stops there)."""
+    forward), over each answer up to its end-of-turn token (as vLLM stops there), and per draft
+    position the share of drafts accepted up to it."""
     head = target.get_target_head()
-    drafts, accepted_total = 0, 0
+    drafts, accepted_total, per_position = 0, 0, [0] * k
     for prompt in prompts:
         continuation = greedy_generate(target, prompt, max_new_tokens, stop_token_ids)
         seq, produced = list(prompt), 0
@@ -81,8 +83,11 @@ def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: 
             produced += 1 + accepted
             drafts += 1
             accepted_total += accepted
+            for position in range(accepted):
+                per_position[position] += 1
     # vLLM's definition, so the two measurements are comparable: 1 + accepted / drafts.
-    return 1 + accepted_total / max(drafts, 1)
+    return (1 + accepted_total / max(drafts, 1),
+            [count / max(drafts, 1) for count in per_position])
 
 
 def vllm_acceptance(model_path: str, draft_dir: str | Path, prompts: list[list[int]], k: int,
@@ -98,30 +103,45 @@ def vllm_acceptance(model_path: str, draft_dir: str | Path, prompts: list[list[i
     from eagle_ray.vllm_runner import CPU_DEFAULTS, GPU_DEFAULTS, build_llm
 
     defaults = CPU_DEFAULTS if current_platform.is_cpu() else GPU_DEFAULTS
-    llm = build_llm({**defaults, "model": model_path, "dtype": dtype, "skip_tokenizer_init": True,
-                     "disable_log_stats": False,
-                     "speculative_config": {"method": "eagle3", "model": str(draft_dir),
-                                            "num_speculative_tokens": k}},
-                    multiprocess=True)
-    try:
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True,
-                                stop_token_ids=list(stop_token_ids), detokenize=False)
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                               use_tqdm=False)
-        counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    with native_output_to_log():
+        llm = build_llm({**defaults, "model": model_path, "dtype": dtype,
+                         "disable_log_stats": False,
+                         "speculative_config": speculative_config(draft_dir, k)},
+                        multiprocess=True)
+        try:
+            params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True,
+                                    stop_token_ids=list(stop_token_ids), detokenize=False)
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                   use_tqdm=False)
+            metrics = llm.get_metrics()
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    counters = {m.name: m.value for m in metrics if hasattr(m, "value")}
+    vectors = {m.name: m.values for m in metrics if hasattr(m, "values")}
     drafts = counters.get("vllm:spec_decode_num_drafts", 0)
     accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+    per_position = vectors.get("vllm:spec_decode_num_accepted_tokens_per_pos", [0] * k)
     result: dict[str, Any] = {
         "mean_acceptance_length": 1 + accepted / drafts if drafts else float("nan"),
         "drafts": drafts, "accepted_tokens": accepted,
+        "acceptance_per_position": [a / drafts if drafts else float("nan")
+                                    for a in per_position],
     }
     if reference is not None:
         generated = [list(o.outputs[0].token_ids) for o in outputs]
         result["greedy_equal_fraction"] = sum(
             g == r[:len(g)] for g, r in zip(generated, reference, strict=True)) / len(generated)
     return result
+
+
+def _figure(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.2f}"
+
+
+def speculative_config(draft_dir: str | Path, k: int) -> dict[str, Any]:
+    """vLLM's `speculative_config` for serving `draft_dir` as the target's EAGLE-3 draft (the
+    evaluation and the printed `vllm serve` command use the same)."""
+    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
 
 
 def evaluate_draft(model_path: str, draft_dir: str | Path,
@@ -148,8 +168,9 @@ def evaluate_draft(model_path: str, draft_dir: str | Path,
     report: dict[str, Any] = {"num_speculative_tokens": k, "prompts": len(prompts)}
     for name, draft in (("trained", trained), ("untrained", untrained)):
         draft.eval()
-        report[f"simulated_acceptance_{name}"] = simulate_acceptance(target, draft, vocab,
-                                                                     prompts, k, n, stops)
+        mean, per_position = simulate_acceptance(target, draft, vocab, prompts, k, n, stops)
+        report[f"simulated_acceptance_{name}"] = mean
+        report[f"simulated_acceptance_per_position_{name}"] = per_position
     if eval_config.vllm:
         reference = [greedy_generate(target, p, n, stops) for p in prompts]
         with tempfile.TemporaryDirectory() as tmp:
@@ -158,6 +179,12 @@ def evaluate_draft(model_path: str, draft_dir: str | Path,
                 result = vllm_acceptance(model_path, path, prompts, k, n, reference,
                                          stop_token_ids=stops)
                 report[f"vllm_acceptance_{name}"] = result["mean_acceptance_length"]
+                report[f"vllm_acceptance_per_position_{name}"] = result[
+                    "acceptance_per_position"]
                 report[f"vllm_greedy_equal_fraction_{name}"] = result["greedy_equal_fraction"]
-    logger.info("evaluation: %s", report)
+    logger.info("evaluation: acceptance length at k=%d, trained %.2f (vLLM %s), untrained %.2f "
+                "(vLLM %s)", k, report["simulated_acceptance_trained"],
+                _figure(report.get("vllm_acceptance_trained")),
+                report["simulated_acceptance_untrained"],
+                _figure(report.get("vllm_acceptance_untrained")))
     return report

@@ -120,7 +120,9 @@ def _answer_wave(client: PoolClient, tokenizer, wave: list[tuple[int, dict]],
                 continue
             tokens = generated[:-1] if generated and generated[-1] in sampling.stop_token_ids \
                 else generated
-            conversations[c][turns[c][k]]["content"] = tokenizer.decode(tokens)
+            # Special tokens inside an answer (a weak target's) would be re-read as markup.
+            conversations[c][turns[c][k]]["content"] = tokenizer.decode(
+                tokens, skip_special_tokens=True)
             report.answers += 1
             report.generated_tokens += len(generated)
     for c, (line_no, sample) in enumerate(wave):

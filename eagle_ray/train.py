@@ -21,6 +21,7 @@ import ray
 
 from eagle_ray.config import ClientConfig, ConfigError, JobConfig, to_dict
 from eagle_ray.identity import TargetIdentity
+from eagle_ray.report import serve_command, write_report_png
 from eagle_ray.train_loop import train_loop_per_worker
 
 logger = logging.getLogger(__name__)
@@ -29,8 +30,10 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------- the driver
 
 
-def run_job(config: JobConfig) -> dict[str, Any]:
-    """Train, export and evaluate a draft; returns the summary written to `output_dir`.
+def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
+    """Train, export and evaluate a draft; returns the summary written to `output_dir` (also
+    `report.png` there). `log_to_driver=False` keeps the Ray workers' output (engines, Ray
+    Train) off this process's console (`eagle_ray.console`).
 
     Order matters: the pool comes first, because what it serves (checkpoint, layers, vocabulary,
     longest row) decides how the data is tokenised and what the export says.
@@ -39,14 +42,17 @@ def run_job(config: JobConfig) -> dict[str, Any]:
     from ray.train.torch import TorchConfig, TorchTrainer
     from transformers import AutoTokenizer
 
+    from eagle_ray.console import ProgressBoard, TrainingBar
     from eagle_ray.ingest import prepare_job_data
     from eagle_ray.resources import check_job_resources
+    from eagle_ray.trackers import check_loggers
 
     check_paths(config)
+    check_loggers(config.train.loggers)
     warn_about_settings(config)
     output_dir = Path(config.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    init_ray(config)
+    init_ray(config, log_to_driver)
     check_job_resources(config)
 
     with job_pool(config) as (pool, served):
@@ -56,6 +62,7 @@ def run_job(config: JobConfig) -> dict[str, Any]:
         data = prepare_job_data(config, served, model_path, tokenizer,
                                 pool.client(ClientConfig(max_inflight_micro_batches=16)),
                                 output_dir)
+        board = ProgressBoard.remote()
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={
@@ -65,6 +72,7 @@ def run_job(config: JobConfig) -> dict[str, Any]:
                 "pad_id": tokenizer.pad_token_id or 0,
                 "draft_to_target": data.vocab.draft_to_target.tolist(),
                 "output_dir": str(output_dir),
+                "progress": board,
             },
             datasets={"train": data.train},
             scaling_config=ScalingConfig(
@@ -80,8 +88,14 @@ def run_job(config: JobConfig) -> dict[str, Any]:
                     max_failures=config.train.max_failures,
                     controller_failure_limit=config.train.max_controller_failures)),
         )
-        result = trainer.fit()
+        logger.info("training: %d Ray Train workers, %d steps", config.train.workers,
+                    config.train.steps)
+        with TrainingBar(board, config.train.steps):
+            result = trainer.fit()
+        ray.kill(board)
+    logger.info("draft exported to %s", output_dir / "draft")
     summary: dict[str, Any] = {
+        "run_name": config.run_name,
         "final_metrics": result.metrics,
         "draft_dir": str(output_dir / "draft"),
         "target": served.to_dict(),
@@ -93,9 +107,20 @@ def run_job(config: JobConfig) -> dict[str, Any]:
 
         summary["eval"] = evaluate_draft(model_path, output_dir / "draft", data.held_out,
                                          tokenizer, config.eval)
+    summary["serve_command"] = serve_command(
+        model_path, output_dir / "draft", config.eval.num_speculative_tokens,
+        config.target.tp_size, config.target.dtype)
+    summary["report"] = str(write_report_png(summary, read_metrics(output_dir),
+                                             output_dir / "report.png"))
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    logger.info("summary: %s", json.dumps(summary, default=str))
+    logger.debug("summary: %s", json.dumps(summary, default=str))
     return summary
+
+
+def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
+    """The run's logged metrics (`metrics.jsonl`, one object per log window)."""
+    path = output_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @contextlib.contextmanager
@@ -142,19 +167,24 @@ def check_paths(config: JobConfig) -> None:
                           f"generated data")
 
 
-def init_ray(config: JobConfig) -> None:
-    """Join `ray_address` / RAY_ADDRESS / a running local cluster, or start a local one."""
+def init_ray(config: JobConfig, log_to_driver: bool = True) -> None:
+    """Join `ray_address` / RAY_ADDRESS / a running local cluster, or start a local one (with
+    its dashboard: Ray Train's placement-group cleaner asks the state API about its controller,
+    and without it warns on every poll)."""
     if ray.is_initialized():
         return
     address = config.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address)
+        ray.init(address=address, log_to_driver=log_to_driver)
+        logger.info("Ray: joined %s", address)
         return
     try:
-        ray.init(address="auto")
+        ray.init(address="auto", log_to_driver=log_to_driver)
+        logger.info("Ray: joined the running local cluster")
     except ConnectionError:
         # A laptop: a local cluster with room for the workers, the replicas and the router.
         cpus = config.train.workers * config.train.cpus_per_worker + config.target.replicas * (
             config.target.cpus_per_bundle * config.target.tp_size) + 1
         ray.init(num_cpus=max(math.ceil(cpus), os.cpu_count() or 1),
-                 object_store_memory=512 * 2**20, include_dashboard=False)
+                 object_store_memory=512 * 2**20, log_to_driver=log_to_driver)
+        logger.info("Ray: started a local instance (%s CPUs)", ray.cluster_resources()["CPU"])

@@ -29,6 +29,7 @@ from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool import PoolClient
 from eagle_ray.supervision import DraftVocab, draft_target
+from eagle_ray.trackers import Trackers
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """One Ray Train worker: stream supervision from the pool, train the draft with DDP."""
     import ray.train
     import ray.train.torch
-    from tqdm import tqdm
     from transformers import AutoConfig
 
     job = from_dict(JobConfig, loop_config["job"])
@@ -79,8 +79,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                             rank), train.steps - start_step))
 
     metrics_path = Path(loop_config["output_dir"]) / "metrics.jsonl"
-    progress = tqdm(total=train.steps, initial=start_step, disable=rank != 0, desc="draft",
-                    unit="step")
+    # Rank 0 reports: the driver's progress bar (`console.ProgressBoard`) and the trackers.
+    board = loop_config.get("progress") if rank == 0 else None
+    trackers = Trackers(train.loggers, Path(loop_config["output_dir"]), job.run_name,
+                        loop_config["job"], train.mlflow_tracking_uri, train.mlflow_experiment
+                        ) if rank == 0 and train.loggers else None
     # Logged metrics average over the steps since the last log (single steps are noisy).
     window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
     window_data_wait = micro_batches.seconds
@@ -109,9 +112,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         values.update({f"acc_{k}": v for k, v in enumerate(step_accuracies)})
         for name, value in values.items():
             window_sums[name] = window_sums.get(name, 0.0) + value
-        progress.update(1)
         done = step + 1
         if done % train.log_every and done % train.checkpoint_every and done != train.steps:
+            if board is not None:
+                board.post.remote(done)
             continue
         elapsed = time.perf_counter() - window_start
         data_wait = micro_batches.seconds - window_data_wait
@@ -125,10 +129,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
         window_data_wait = micro_batches.seconds
         window_sums, window_steps = {}, 0
-        progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}")
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
+            if board is not None:
+                board.post.remote(done, metrics)
+            if trackers is not None:
+                trackers.log(metrics, done)
         if done % train.checkpoint_every == 0 or done == train.steps:
             with tempfile.TemporaryDirectory() as tmp:
                 if rank == 0:
@@ -139,7 +146,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                                  if rank == 0 else None)
         else:
             ray.train.report(metrics)
-    progress.close()
+    if trackers is not None:
+        trackers.close()
     if rank == 0:
         export_draft(draft, vocab, served, Path(loop_config["output_dir"]) / "draft")
 

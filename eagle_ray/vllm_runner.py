@@ -135,7 +135,9 @@ class VLLMTargetRunner(TargetRunner):
             dtype=str(dtype).removeprefix("torch."),
             tensor_parallel_size=tp_size,
             trust_remote_code=trust_remote_code,
-            skip_tokenizer_init=True,
+            # The checkpoint's tokenizer: vLLM's `LLM` warms a chat template with it (without
+            # one it logs a traceback); prompts stay token ids, outputs are not detokenised.
+            skip_tokenizer_init=False,
             speculative_config={
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,

@@ -4,12 +4,14 @@ without the cluster's token cannot reach it, and `serve` refuses a cluster witho
 authentication. Each head is started on free ports in its own temp dir, and only its own
 processes are stopped afterwards (never another Ray on the machine)."""
 
+import collections
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -61,6 +63,11 @@ def start_head(auth_mode: str):
     subprocess.run([BIN / "ray", "start", "--head", f"--port={gcs_port}", "--num-cpus=2",
                     "--include-dashboard=true", f"--dashboard-port={dashboard_port}",
                     f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}",
+                    # Agent ports with fixed defaults: another Ray on the machine may hold them.
+                    f"--dashboard-agent-listen-port={free_port()}",
+                    f"--dashboard-agent-grpc-port={free_port()}",
+                    f"--runtime-env-agent-port={free_port()}",
+                    f"--metrics-export-port={free_port()}",
                     "--object-store-memory=400000000", "--disable-usage-stats"],
                    check=True, env=env, capture_output=True, timeout=120)
     gcs = f"127.0.0.1:{gcs_port}"
@@ -78,20 +85,43 @@ def head_node():
     stop()
 
 
+def submit(env, addresses, *entrypoint: str) -> subprocess.CompletedProcess:
+    """`ray job submit --working-dir <repo> -- <entrypoint>`; a head whose job agent has not
+    registered yet refuses the submission (nothing was created), so that one is retried."""
+    deadline = time.monotonic() + 180
+    while True:
+        result = subprocess.run(
+            [BIN / "ray", "job", "submit", "--address", addresses["dashboard"],
+             "--working-dir", str(ROOT), "--", *entrypoint],
+            env=env, capture_output=True, text=True, timeout=900)
+        if "No available agent to submit job" not in result.stderr + result.stdout \
+                or time.monotonic() > deadline:
+            return result
+        time.sleep(5)
+
+
 def test_ray_job_submit_runs_training_to_success(head_node, tmp_path):
     env, addresses = head_node
     output_dir = tmp_path / "run"
-    result = subprocess.run(
-        [BIN / "ray", "job", "submit", "--address", addresses["dashboard"],
-         "--working-dir", str(ROOT), "--",
-         "eagle-ray", "train", "--config", "examples/tiny.yaml", "train.steps=10",
-         "train.log_every=5", "train.checkpoint_every=10", "eval.enabled=false",
-         "target.name=job-pool", f"output_dir={output_dir}", "run_name=job-test"],
-        env=env, capture_output=True, text=True, timeout=900)
+    result = submit(env, addresses, "eagle-ray", "train", "--config", "examples/tiny.yaml",
+                    "train.steps=10", "train.log_every=5", "train.checkpoint_every=10",
+                    "eval.enabled=false", "target.name=job-pool", f"output_dir={output_dir}",
+                    "run_name=job-test")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "succeeded" in result.stdout
     assert (output_dir / "draft" / "config.json").exists()
     assert len((output_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    # What the person who submitted it reads: the job's own console, between `ray job submit`'s
+    # header and its closing status line.
+    console = result.stdout.split("Tailing logs until the job exits", 1)[1]
+    console = console.rsplit("Job '", 1)[0]
+    assert "Traceback" not in console, console
+    repeats = collections.Counter(line.strip() for line in console.splitlines()
+                                  if line.strip() and set(line.strip()) != {"-"})
+    assert max(repeats.values()) <= 2, repeats.most_common(3)
+    assert "eagle_ray run job-test -- summary" in console
+    assert f"vllm serve {cache_root()}" in console and "--speculative-config" in console
+    assert (output_dir / "job.log").stat().st_size > 0  # where the rest went
 
 
 def eagle_ray(env, *args, timeout=300):
@@ -105,13 +135,10 @@ def test_serve_status_shutdown_and_a_job_that_joins_the_shared_pool(head_node, t
     served = eagle_ray(env, "serve", *gcs, "name=shared", "dtype=float32")
     assert served.returncode == 0, served.stderr[-3000:]
     assert json.loads(served.stdout)["ready_replicas"] == 1
-    result = subprocess.run(
-        [BIN / "ray", "job", "submit", "--address", addresses["dashboard"],
-         "--working-dir", str(ROOT), "--",
-         "eagle-ray", "train", "--config", "examples/tiny.yaml", "use_shared_pool=true",
-         "target.name=shared", "train.steps=6", "train.log_every=3", "train.checkpoint_every=6",
-         "eval.enabled=false", f"output_dir={tmp_path / 'run'}", "run_name=shared-test"],
-        env=env, capture_output=True, text=True, timeout=900)
+    result = submit(env, addresses, "eagle-ray", "train", "--config", "examples/tiny.yaml",
+                    "use_shared_pool=true", "target.name=shared", "train.steps=6",
+                    "train.log_every=3", "train.checkpoint_every=6", "eval.enabled=false",
+                    f"output_dir={tmp_path / 'run'}", "run_name=shared-test")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     status = eagle_ray(env, "status", *gcs, "--name", "shared")
     assert status.returncode == 0, status.stderr[-3000:]

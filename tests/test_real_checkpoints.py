@@ -61,6 +61,7 @@ def job(tmp_path, *overrides: str) -> JobConfig:
         "train.workers=1", "train.steps=4", "train.log_every=2", "train.checkpoint_every=4",
         "train.warmup_steps=1", "data.micro_batch_size=4", "data.draft_vocab_size=128",
         "data.eval_samples=4", "eval.enabled=false", "target.namespace=eagle_ray_test",
+        "regenerate.enabled=false",  # random-weight checkpoints: their answers teach nothing
         f"output_dir={tmp_path / 'run'}", f"storage_path={tmp_path / 'results'}", *overrides])
 
 

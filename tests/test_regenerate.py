@@ -93,7 +93,7 @@ def test_answers_are_the_targets_greedy_answers_turn_by_turn(vllm_pool, pretrain
             greedy = reference.complete([prompt], Sampling(max_new_tokens=40,
                                                            stop_token_ids=stops))[0]
             assert messages[turn]["content"] == tokenizer.decode(
-                greedy[:-1] if greedy[-1] in stops else greedy)
+                greedy[:-1] if greedy[-1] in stops else greedy, skip_special_tokens=True)
     assert report.changed_share == 1.0
 
 
@@ -155,7 +155,8 @@ def test_a_killed_replica_loses_and_duplicates_no_conversation(local_ray, pretra
             prompt = prompt_for_turn(tokenizer, messages, 2)
             expected = synthetic_answer(prompt, Sampling(max_new_tokens=40,
                                                          stop_token_ids=stops))
-            assert messages[2]["content"] == tokenizer.decode(expected[:-1])
+            assert messages[2]["content"] == tokenizer.decode(expected[:-1],
+                                                              skip_special_tokens=True)
     finally:
         pool.shutdown()
 

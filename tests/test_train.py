@@ -4,11 +4,14 @@ One training run (module fixture) backs the assertions; a second run resumes fro
 """
 
 import json
+import os
+import shlex
 from pathlib import Path
 
 import pytest
 
 from eagle_ray.config import JobConfig, load_yaml
+from eagle_ray.report import REPORT_SIZE_PX
 from eagle_ray.train import run_job
 
 from pool_helpers import running_ray
@@ -27,7 +30,7 @@ def job(output_dir, *overrides: str) -> JobConfig:
         "data.eval_samples=8", f"train.steps={STEPS}", "train.checkpoint_every=30",
         "train.log_every=10", "train.warmup_steps=10", "eval.prompts=6",
         "eval.max_new_tokens=24", f"output_dir={output_dir}", "run_name=train-test",
-        *overrides])
+        "train.loggers=[tensorboard,mlflow]", *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +98,69 @@ def test_rerun_resumes_the_step_count_and_the_loss_curve(trained):
     resumed = metrics[len(first):]
     assert [m["step"] for m in resumed] == [STEPS + 10, STEPS + 20]
     assert resumed[0]["loss_0"] < 0.9 * first[0]["loss_0"], "continues, not restarts"
+
+
+def test_report_png_is_written(trained):
+    output_dir, summary, _ = trained
+    from PIL import Image
+
+    with Image.open(output_dir / "report.png") as image:
+        image.verify()  # a complete, valid PNG
+    with Image.open(output_dir / "report.png") as image:
+        assert image.format == "PNG" and image.size == REPORT_SIZE_PX
+    assert summary["report"] == str(output_dir / "report.png")
+
+
+def test_tensorboard_scalars_match_the_metrics_file(trained):
+    output_dir, _, metrics = trained
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(output_dir / "tensorboard"))
+    events.Reload()
+    for name in ("loss_0", "acc_2", "supervision_tokens_per_s", "pool_wait_share"):
+        logged = [(e.step, e.value) for e in events.Scalars(name)][:len(metrics)]
+        assert [step for step, _ in logged] == [m["step"] for m in metrics]
+        assert [value for _, value in logged] == pytest.approx([m[name] for m in metrics],
+                                                               rel=1e-6)
+
+
+def test_mlflow_run_in_the_local_folder_has_the_metrics(trained):
+    output_dir, _, metrics = trained
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient((output_dir / "mlruns").as_uri())
+    experiment = client.get_experiment_by_name("eagle_ray")
+    # The first run (the resumed one that follows logs as another run).
+    run = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time"])[0]
+    assert run.data.tags["mlflow.runName"] == "train-test"
+    assert run.data.params["train.steps"] == str(STEPS)
+    history = client.get_metric_history(run.info.run_id, "loss_0")
+    assert [(h.step, h.value) for h in history] == [
+        (m["step"], pytest.approx(m["loss_0"], rel=1e-6)) for m in metrics]
+
+
+def test_the_printed_serve_command_loads_the_draft_in_vllm(trained):
+    """The command's Python API equivalent: the target with the draft as its EAGLE-3 draft."""
+    _, summary, _ = trained
+    words = shlex.split(summary["serve_command"])
+    assert words[:2] == ["vllm", "serve"]
+    options = dict(zip(words[3::2], words[4::2], strict=True))
+    from vllm import SamplingParams
+    from vllm.platforms import current_platform
+
+    from eagle_ray.vllm_runner import CPU_DEFAULTS, GPU_DEFAULTS, build_llm
+
+    llm = build_llm({**(CPU_DEFAULTS if current_platform.is_cpu() else GPU_DEFAULTS),
+                     "model": words[2], "dtype": options["--dtype"],
+                     "speculative_config": json.loads(options["--speculative-config"])},
+                    multiprocess=True)
+    try:
+        spec = llm.llm_engine.vllm_config.speculative_config
+        assert spec.method == "eagle3" and spec.model == summary["draft_dir"]
+        out = llm.generate([{"prompt_token_ids": [1, 5, 9]}],
+                           SamplingParams(max_tokens=4, temperature=0.0, detokenize=False),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.llm_engine.engine_core.shutdown()

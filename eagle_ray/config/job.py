@@ -55,6 +55,10 @@ class TrainConfig:
     # Ray Train's failure handling (FailureConfig), bounded so that a job that cannot run ends:
     max_failures: int = 0  # worker failures recovered from the latest checkpoint; -1: no limit
     max_controller_failures: int = 3  # worker-group start failures (e.g. never scheduled)
+    # Experiment trackers fed by rank 0 (eagle_ray.trackers): "tensorboard", "mlflow".
+    loggers: list[str] = dataclasses.field(default_factory=list)
+    mlflow_tracking_uri: str | None = None  # None: the folder <output_dir>/mlruns
+    mlflow_experiment: str = "eagle_ray"
 
 
 @dataclasses.dataclass

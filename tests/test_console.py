@@ -1,0 +1,89 @@
+"""What a person sees: eagle_ray's stage lines and real errors on the console, the libraries'
+chatter (Ray Data, vLLM's own logging config, Python warnings, what native code writes to the
+file descriptors) in the job's log file; `--verbose` puts it all back on the console. And the
+summary table says what the summary says."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from eagle_ray.report import format_summary, serve_command
+
+# Each line comes from a different route a library takes to the console.
+SCRIPT = textwrap.dedent("""
+    import logging, os, sys, warnings
+    from eagle_ray.console import native_output_to_log, setup_console
+
+    setup_console(sys.argv[1], verbose=sys.argv[2] == "1")
+    logging.getLogger("eagle_ray.train").info("STAGE pool ready")
+    logging.getLogger("ray.data").info("NOISE ray data execution plan")
+    import vllm  # configures its loggers from VLLM_LOGGING_CONFIG_PATH
+    logging.getLogger("vllm.engine").info("NOISE vllm engine started")
+    warnings.warn("NOISE a deprecation")
+    with native_output_to_log():
+        os.write(2, b"NOISE native warning from an engine\\n")
+    logging.getLogger("some.library").error("ERROR something failed")
+""")
+
+
+def run_script(tmp_path, verbose: bool):
+    log = tmp_path / "job.log"
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(log), "1" if verbose else "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout + done.stderr, log.read_text()
+
+
+@pytest.mark.slow  # imports vLLM in a subprocess (~10 s)
+def test_the_quiet_console_shows_stages_and_errors_and_logs_the_rest(tmp_path):
+    console, log = run_script(tmp_path, verbose=False)
+    assert "STAGE pool ready" in console and "ERROR something failed" in console
+    assert "NOISE" not in console, console
+    for noise in ("ray data execution plan", "vllm engine started", "a deprecation",
+                  "native warning from an engine"):
+        assert f"NOISE {noise}" in log, noise
+
+
+@pytest.mark.slow
+def test_verbose_puts_everything_back_on_the_console(tmp_path):
+    console, _ = run_script(tmp_path, verbose=True)
+    for line in ("STAGE pool ready", "NOISE ray data execution plan", "NOISE vllm engine started",
+                 "NOISE a deprecation", "NOISE native warning from an engine",
+                 "ERROR something failed"):
+        assert line in console, line
+
+
+SUMMARY = {
+    "run_name": "r1",
+    "data": {"kept": 1234, "truncated": 5, "dropped_too_long": 0, "dropped_no_answer": 2,
+             "dropped_unrenderable": 1, "training_tokens": 98765},
+    "regenerated": {"conversations": 1000, "resumed": 234, "changed_share": 0.75, "failed": 0},
+    "final_metrics": {"step": 150, "loss_0": 0.21, "loss_1": 0.19, "acc_0": 0.95, "acc_1": 0.93,
+                      "supervision_tokens_per_s": 3281.0, "pool_wait_share": 0.09,
+                      "data_wait_share": 0.01},
+    "eval": {"num_speculative_tokens": 2, "prompts": 8,
+             "simulated_acceptance_trained": 2.94, "vllm_acceptance_trained": 2.91,
+             "simulated_acceptance_untrained": 1.0, "vllm_acceptance_untrained": 1.0,
+             "simulated_acceptance_per_position_trained": [0.97, 0.88],
+             "vllm_acceptance_per_position_trained": [0.96, 0.87]},
+    "draft_dir": "/runs/x/draft",
+}
+
+
+def test_the_summary_table_carries_the_summarys_figures():
+    command = serve_command("/models/My 8B", "/runs/x/draft", 2, tp_size=2, dtype="bfloat16")
+    table = format_summary({**SUMMARY, "serve_command": command})
+    lines = table.splitlines()
+    assert "1,234 conversations trained on, 5 truncated, 3 dropped (98,765 tokens)" in table
+    assert "1,234 conversations, 75% changed" in table
+    assert any(line.split() == ["loss", "0.21", "0.19"] for line in lines)
+    assert any(line.split() == ["accuracy", "0.95", "0.93"] for line in lines)
+    assert "3,281 tok/s" in table and "pool 9%" in table and "data 1%" in table
+    assert any(line.split() == ["trained", "draft", "2.94", "2.91"] for line in lines)
+    assert any(line.split() == ["trained,", "vLLM", "0.96", "0.87"] for line in lines)
+    assert lines[-1].strip() == command
+    assert command == ("vllm serve '/models/My 8B' --tensor-parallel-size 2 --dtype bfloat16 "
+                       "--speculative-config '{\"method\": \"eagle3\", \"model\": "
+                       "\"/runs/x/draft\", \"num_speculative_tokens\": 2}'")
