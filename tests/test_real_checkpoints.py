@@ -97,7 +97,8 @@ def test_train_export_and_serve_with_the_stock_template(local_ray, family_checkp
 @pytest.fixture(scope="module")
 def shared_pool(local_ray, llama_path):
     """A pool serving the tiny Llama with non-default aux ids (HF backend: quick to start)."""
-    pool = TargetPool.create(PoolConfig(backend="hf", dtype="float32", aux_layer_ids=[0, 2, 5],
+    pool = TargetPool.create(PoolConfig(backend="hf", model_path=str(llama_path),
+                                        dtype="float32", aux_layer_ids=[0, 2, 5],
                                         name="shared-ids", namespace="eagle_ray_test"))
     yield pool
     pool.shutdown()
