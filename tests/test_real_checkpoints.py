@@ -8,7 +8,6 @@ import random
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 from transformers import AutoTokenizer
 
@@ -22,6 +21,8 @@ from eagle_ray.pool import TargetPool
 from eagle_ray.tiny import generate_chat_samples
 from eagle_ray.train import run_job
 
+from pool_helpers import running_ray
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,10 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=4, object_store_memory=400 * 2**20, include_dashboard=False,
-             namespace="eagle_ray_test")
-    yield
-    ray.shutdown()
+    with running_ray(object_store_mb=400, namespace="eagle_ray_test"):
+        yield
 
 
 def write_chats(path, num: int = 48, thinking: bool = False):

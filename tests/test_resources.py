@@ -15,6 +15,8 @@ from eagle_ray.resources import (
 )
 from eagle_ray.train import run_job
 
+from pool_helpers import running_ray
+
 TWO_CPUS = Capacity(nodes=[{"CPU": 2.0, "memory": 1e9}], free={"CPU": 2.0}, node_types=[])
 
 
@@ -82,10 +84,8 @@ def test_a_job_joining_a_shared_pool_asks_only_for_its_workers():
 
 @pytest.fixture(scope="class")
 def two_cpu_ray():
-    ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False,
-             namespace="eagle_ray_test")
-    yield
-    ray.shutdown()
+    with running_ray(num_cpus=2, object_store_mb=200, namespace="eagle_ray_test"):
+        yield
 
 
 @pytest.mark.slow
