@@ -184,10 +184,11 @@ def padding_share(micro_batch: MicroBatch) -> float:
 
 def make_micro_batches(rows: list[Row], micro_batch_size: int, pad_id: int = 0, seed: int = 0
                        ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Shuffle (seeded) and group rows into right-padded micro-batches."""
+    """Shuffle (seeded) and group rows into fixed-size right-padded micro-batches: the batching
+    the job used before token budgets, kept as the baseline `bench ingest` and the tests compare
+    `token_budget_micro_batches` with."""
     if not rows:
-        raise ValueError("no rows to batch: every conversation was dropped (see the counts "
-                         "tokenize_chats logs)")
+        raise ValueError("no rows to batch: every conversation was dropped")
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     return [collate([rows[i] for i in order[start:start + micro_batch_size]], pad_id)
             for start in range(0, len(order), micro_batch_size)]
