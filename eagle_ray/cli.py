@@ -16,7 +16,7 @@ from pathlib import Path
 logger = logging.getLogger("eagle_ray")
 
 BENCHMARKS = ["encodings", "backends", "handoff", "engine-start", "pool", "router", "scaling",
-              "transport", "train", "soak", "ingest"]
+              "transport", "locality", "train", "soak", "ingest"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -209,7 +209,13 @@ def _bench(args: argparse.Namespace) -> int:
     elif which == "scaling":
         pool.run_scaling()
     elif which == "transport":
-        pool.run_transport()
+        from eagle_ray.bench import transport
+
+        transport.run()
+    elif which == "locality":
+        from eagle_ray.bench import locality
+
+        locality.run()
     elif which == "train":
         from eagle_ray.bench import train
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 
+import ray
 import torch
 from torch import nn
 
@@ -79,8 +80,11 @@ class SyntheticRunner(TargetRunner):
         return [synthetic_answer(p, sampling) for p in prompts]
 
     def _hold(self) -> None:
-        """Wait while the gate file exists (for the first call only, if so configured)."""
+        """Wait while the gate file exists (for the first call only, if so configured); a held
+        call marks `<gate>.holding`, so a test can wait until a call is really on an engine."""
         if self.hold_while and (not self.hold_first_call_only or _first(self.hold_while)):
+            if os.path.exists(self.hold_while):
+                open(f"{self.hold_while}.holding", "a").close()
             while os.path.exists(self.hold_while):
                 time.sleep(0.01)
 
@@ -110,12 +114,17 @@ def fixed_latency_target(config) -> RunnerEagle3TargetModel:
     """Pool backend factory (`backend: "eagle_ray.testing:fixed_latency_target"`).
 
     `backend_kwargs`: `vocab_size` (1024), `hidden_size` (8), `seconds_per_call` (0),
-    `seconds_per_token` (0), and the fault injections of `SyntheticRunner`: `fail_once_marker`,
-    `hold_while`, `hold_first_call_only`, `self_check_failure`.
+    `seconds_per_token` (0), the fault injections of `SyntheticRunner` (`fail_once_marker`,
+    `hold_while`, `hold_first_call_only`, `self_check_failure`), and `hold_restart_while`: a
+    file; a replica that Ray restarts does not come back while it exists (a test's gate).
     """
     options = {"vocab_size": 1024, "hidden_size": 8, "seconds_per_call": 0.0,
                "seconds_per_token": 0.0, **config.backend_kwargs}
     vocab, hidden = options.pop("vocab_size"), options.pop("hidden_size")
+    restart_gate = options.pop("hold_restart_while", None)
+    if restart_gate and ray.get_runtime_context().was_current_actor_reconstructed:
+        while os.path.exists(restart_gate):
+            time.sleep(0.01)
     runner = SyntheticRunner(hidden, **options)
     return RunnerEagle3TargetModel(
         runner, num_hidden_layers=8, vocab_size=vocab, aux_layer_ids=[1, 3, 4],

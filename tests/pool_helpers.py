@@ -73,6 +73,9 @@ class TrainerStandIn:
     def stats(self) -> dict:
         return dict(self.client.stats)
 
+    def node_id(self) -> str:
+        return self.client.node_id
+
 
 def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s

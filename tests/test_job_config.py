@@ -6,12 +6,14 @@ import pytest
 import yaml
 
 from eagle_ray.config import ConfigError, JobConfig, apply_overrides, from_dict, load_yaml
+from eagle_ray.resources import Capacity, job_demands, never_fit
 from eagle_ray.train import check_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "llama3.1-8b.yaml", "qwen3-8b.yaml"])
+@pytest.mark.parametrize("name", ["tiny.yaml", "llama3.1-8b.yaml", "llama3.1-8b-colocated.yaml",
+                                  "qwen3-8b.yaml"])
 def test_example_configs_load(name):
     config = load_yaml(JobConfig, ROOT / "examples" / name)
     assert config.train.workers >= 1
@@ -65,3 +67,23 @@ def test_cluster_yaml_keeps_token_authentication_on():
     starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands")
               for c in config[key] if "ray start" in c]
     assert len(starts) == 2 and all(c.startswith("RAY_AUTH_MODE=token ray start") for c in starts)
+
+
+def test_the_colocated_plan_puts_one_replica_and_its_trainers_on_every_node():
+    """The locality plan (README, "Locality") places by resources alone: each cluster.yaml
+    gpu_colocated node has room for exactly one replica of the recipe and the trainers it
+    feeds, and the recipe asks for whole nodes, so every trainer has its own node's replica."""
+    config = load_yaml(JobConfig, ROOT / "examples" / "llama3.1-8b-colocated.yaml")
+    node = yaml.safe_load((ROOT / "cluster.yaml").read_text())["available_node_types"][
+        "gpu_colocated"]
+    demands = job_demands(config)
+    replica = next(d.resources for d in demands if d.what.startswith("target replica"))
+    trainer = next(d.resources for d in demands if d.what.startswith("trainer worker"))
+    nodes = config.target.replicas
+    assert nodes <= node["max_workers"]
+    resources = node["resources"]
+    assert resources["target_gpu"] / replica["target_gpu"] == 1, "one replica per node"
+    per_node = resources["trainer_gpu"] / trainer["trainer_gpu"]
+    assert config.train.workers == per_node * nodes, "whole nodes of trainers"
+    assert replica["GPU"] + per_node * trainer["GPU"] == resources["GPU"], "every GPU used"
+    assert not never_fit(demands, Capacity([], {}, [(resources, node["max_workers"])]))

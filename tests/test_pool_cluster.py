@@ -171,3 +171,70 @@ def test_a_router_outage_mid_stream_loses_no_result_and_clients_recover(cluster,
         pool.wait_ready(2, timeout_s=120)  # the restarted router re-adopted both replicas
     finally:
         pool.shutdown()
+
+
+def plan_node(cluster):
+    """A node laid out as the placement plan lays out a GPU node (README, "Locality"): room for
+    one target replica and one trainer."""
+    return cluster.add_node(num_cpus=2, resources={"target_slot": 1, "trainer_slot": 1},
+                            object_store_memory=150 * 2**20)
+
+
+def served(pool) -> dict[str, int]:
+    return {name: r["served_micro_batches"] for name, r in pool.status()["replicas"].items()}
+
+
+def test_trainers_are_served_on_their_node_and_elsewhere_only_while_its_replica_is_down(
+        cluster, tmp_path):
+    plan_node(cluster)
+    plan_node(cluster)
+    cluster.wait_for_nodes()
+    hold_calls, hold_restart = tmp_path / "hold-calls", tmp_path / "hold-restart"
+    pool = synthetic_pool("locality", bundle_resources={"target_slot": 1}, backend_kwargs={
+        "hold_while": str(hold_calls), "hold_restart_while": str(hold_restart)})
+    try:
+        # One micro-batch in flight per trainer, so the moment of the kill below is exact.
+        trainers = [TrainerStandIn.options(resources={"trainer_slot": 1}).remote(
+            "locality", max_inflight_micro_batches=1) for _ in range(2)]
+        for result in ray.get([t.run.remote(10, seed=60 + s) for s, t in enumerate(trainers)],
+                              timeout=TIMEOUT_S):
+            assert len(result["correct"]) == 10 and all(result["correct"])
+        status = pool.status()
+        assert len({r["node_id"] for r in status["replicas"].values()}) == 2, "one per node"
+        assert status["on_node_share"] == 1.0, "every lease went to the trainer's own node"
+        assert all(r["served_micro_batches"] == 10 and r["on_node_share"] == 1.0
+                   for r in status["replicas"].values())
+
+        # The trainer's own replica dies with its micro-batch on the engine, and Ray's restart
+        # of it is held: everything goes to the other node's replica meanwhile.
+        node = ray.get(trainers[0].node_id.remote(), timeout=TIMEOUT_S)
+        own = next(n for n, r in status["replicas"].items() if r["node_id"] == node)
+        other = next(n for n in status["replicas"] if n != own)
+        hold_calls.touch()
+        hold_restart.touch()
+        before = served(pool)
+        run = trainers[0].run.remote(12, seed=70)
+        wait_until(lambda: (tmp_path / "hold-calls.holding").exists(), what="a call on the engine")
+        ray.kill(ray.get_actor(own, namespace="eagle_ray_test"), no_restart=False)
+        hold_calls.unlink()
+        result = ray.get(run, timeout=TIMEOUT_S)
+        assert len(result["correct"]) == 12 and all(result["correct"])
+        assert result["stats"]["retries"] == 1, "the killed attempt was re-run, nothing else"
+        assert served(pool)[other] - before[other] == 12, "all served elsewhere at once"
+
+        # Back when it returns: the trainer's micro-batches stay on its node again.
+        hold_restart.unlink()
+        wait_until(lambda: replica_state(pool, own) == ("ready", 1), timeout_s=120,
+                   what="the restarted replica ready again")
+        before = served(pool)
+        result = ray.get(trainers[0].run.remote(10, seed=80), timeout=TIMEOUT_S)
+        assert all(result["correct"])
+        after = served(pool)
+        assert (after[own] - before[own], after[other] - before[other]) == (10, 0)
+    finally:
+        pool.shutdown()
+
+
+def replica_state(pool, name: str) -> tuple[str, int]:
+    replica = pool.status()["replicas"].get(name, {"state": "absent", "restarts": 0})
+    return replica["state"], replica["restarts"]

@@ -13,10 +13,11 @@ class Replica:
     name: str
     outstanding_tokens: int = 0
     state: ReplicaState = ReplicaState.READY
+    node_id: str | None = None
 
 
-def choose(replicas, num_tokens=10, avoid=()):
-    chosen = choose_replica(replicas, num_tokens, set(avoid), CAP)
+def choose(replicas, num_tokens=10, avoid=(), client_node=None):
+    chosen = choose_replica(replicas, num_tokens, set(avoid), CAP, client_node)
     return None if chosen is None else chosen.name
 
 
@@ -50,3 +51,25 @@ def test_replicas_that_failed_this_micro_batch_are_avoided_while_others_exist():
     assert choose(replicas, avoid=["a"]) == "b"
     assert choose(replicas, avoid=["a", "b"]) == "a", "every replica failed it: try the best"
     assert choose([Replica("a", 0), Replica("b", 70, ReplicaState.SUSPECT)], avoid=["a"]) == "a"
+
+
+def test_a_replica_on_the_clients_node_is_preferred_while_it_has_room():
+    replicas = [Replica("a", 0, node_id="n1"), Replica("b", 60, node_id="n2")]
+    assert choose(replicas, client_node="n2") == "b", "busier, but on-node and with room"
+    assert choose(replicas, num_tokens=50, client_node="n2") == "a", "full on-node: go elsewhere"
+    assert choose(replicas, client_node="n3") == "a", "no replica on-node: least-loaded"
+    assert choose(replicas) == "a", "locality off: least-loaded"
+
+
+def test_among_on_node_replicas_the_least_loaded_wins():
+    replicas = [Replica("a", 30, node_id="n1"), Replica("b", 10, node_id="n1"),
+                Replica("c", 0, node_id="n2")]
+    assert choose(replicas, client_node="n1") == "b"
+
+
+def test_locality_never_overrides_health_or_a_failed_attempt():
+    replicas = [Replica("a", 0, ReplicaState.SUSPECT, node_id="n1"), Replica("b", 0, node_id="n2")]
+    assert choose(replicas, client_node="n1") == "b", "the on-node replica is down: go elsewhere"
+    replicas[0].state = ReplicaState.READY
+    assert choose(replicas, client_node="n1") == "a", "and back once it is ready again"
+    assert choose(replicas, avoid=["a"], client_node="n1") == "b", "it failed this one: elsewhere"

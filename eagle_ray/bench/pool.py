@@ -1,4 +1,4 @@
-"""Pool benchmarks: overhead vs an in-process backend, router rate and latency, scaling, transport.
+"""Pool benchmarks: overhead vs an in-process backend, router rate and latency, scaling.
 
 Each runs on a local Ray instance it starts itself and prints JSON lines with ratios measured
 side by side in the same run.
@@ -10,14 +10,10 @@ import os
 import statistics
 import time
 
-import numpy as np
 import ray
-import torch
 
-from eagle_ray.bench import best_seconds, emit
+from eagle_ray.bench import emit
 from eagle_ray.pool import ClientConfig, PoolConfig, TargetPool
-from eagle_ray.pool.transport import batch_from_numpy, batch_to_numpy
-from eagle_ray.target_batch import Eagle3TargetBatch
 from eagle_ray.testing import random_micro_batch
 
 SYNTHETIC = "eagle_ray.testing:fixed_latency_target"
@@ -140,52 +136,3 @@ def run_scaling(replica_counts: tuple[int, ...] = (1, 2, 4, 8),
         ideal = rates[replica_counts[0]] * n / replica_counts[0]
         emit("scaling", "supervision_tokens_per_s", round(rates[n], 1), "tok/s", replicas=n,
              seconds_per_call=seconds_per_call, baseline="linear", ratio=round(rates[n] / ideal, 3))
-
-
-@ray.remote(num_cpus=0)
-class _TransportSource:
-    """Holds one supervision batch and returns it the way a replica does."""
-
-    def __init__(self, tokens: int, hidden: int) -> None:
-        aux = torch.randn(1, tokens, 3 * hidden).to(torch.bfloat16)
-        ids = torch.ones(1, tokens, dtype=torch.long)
-        self.batch = Eagle3TargetBatch(aux, ids, ids, ids,
-                                       last_hidden=torch.randn(1, tokens, hidden).bfloat16())
-
-    def fetch(self) -> dict:
-        return batch_to_numpy(self.batch)
-
-
-def run_transport(tokens: int = 8192, hidden: int = 4096, repeats: int = 5) -> None:
-    """Bytes/s from a replica-like actor to this process, against a copy of the same bytes into
-    a warm (already faulted-in) buffer. Two object-store figures: `mapped` (the result as the
-    training loop gets it: zero-copy views, not yet touched) and `mapped_and_read` (every byte
-    then read, by copying it into a warm buffer as a consumer would)."""
-    _start_ray()
-    source = _TransportSource.remote(tokens, hidden)
-    local = ray.get(source.fetch.remote())
-    arrays = [a for a, _ in local.values()]
-    nbytes = sum(a.nbytes for a in arrays)
-    warm = [np.empty_like(a) for a in arrays]
-    for buffer, array in zip(warm, arrays, strict=True):
-        np.copyto(buffer, array)  # fault the pages in once
-    del local
-
-    def copy_into_warm(sources) -> None:
-        for buffer, array in zip(warm, sources, strict=True):
-            np.copyto(buffer, array)
-
-    def mapped_and_read() -> None:
-        payload = ray.get(source.fetch.remote())
-        batch_from_numpy(payload)
-        copy_into_warm([a for a, _ in payload.values()])
-
-    copy_s = best_seconds(lambda: copy_into_warm(arrays), repeats)
-    mapped_s = best_seconds(lambda: batch_from_numpy(ray.get(source.fetch.remote())), repeats)
-    read_s = best_seconds(mapped_and_read, repeats)
-    for path, seconds in (("object_store_mapped", mapped_s),
-                          ("object_store_mapped_and_read", read_s), ("memcpy_warm", copy_s)):
-        emit("transport", "bytes_per_s", round(nbytes / seconds), "B/s", path=path,
-             mb=round(nbytes / 2**20, 1), baseline="memcpy_warm",
-             ratio=round(copy_s / seconds, 3))
-    ray.kill(source)

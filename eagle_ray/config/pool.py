@@ -39,6 +39,9 @@ class PoolConfig:
     router_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     # Load: the router keeps at most this many tokens outstanding on one replica.
     max_outstanding_tokens_per_replica: int = 16384
+    # Locality: lease a replica on the client's own node while it has room (its results then
+    # stay in that node's shared memory instead of crossing the network).
+    locality: bool = True
     ready_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:

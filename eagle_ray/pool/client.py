@@ -67,6 +67,7 @@ class PoolClient:
         self._router_name, self._namespace = router_name, namespace
         self.config = config or ClientConfig()
         self.vocab_size = int(target_info["vocab_size"])
+        self.node_id = ray.get_runtime_context().get_node_id()  # for locality-aware leases
         self.max_length = target_info.get("max_length")
         self._ids = itertools.count()
         self._inflight: collections.OrderedDict[int, InFlightMicroBatch] = collections.OrderedDict()
@@ -217,7 +218,8 @@ class PoolClient:
         """Ask the router for a replica, avoiding those this micro-batch already failed on."""
         item.phase = MicroBatchPhase.LEASING
         item.lease_ref = self._router.acquire.remote(
-            item.micro_batch_id, item.num_tokens, item.failed_on, self.config.lease_timeout_s)
+            item.micro_batch_id, item.num_tokens, item.failed_on, self.config.lease_timeout_s,
+            self.node_id)
 
     def _pump(self, timeout: float) -> None:
         """Advance every in-flight micro-batch whose lease or result is ready."""

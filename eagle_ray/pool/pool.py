@@ -72,7 +72,7 @@ class TargetPool:
             max_restarts=-1, num_cpus=0, max_concurrency=10_000,
             resources=dict(config.router_resources),
         ).remote(config.replica_prefix, config.namespace,
-                 config.max_outstanding_tokens_per_replica)
+                 config.max_outstanding_tokens_per_replica, config.locality)
         pool = cls(config, router)
         for _ in range(config.replicas):
             pool.add_replica()

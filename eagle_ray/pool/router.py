@@ -46,6 +46,8 @@ class _Replica:
     peak_outstanding_tokens: int = 0
     served_tokens: int = 0
     served_micro_batches: int = 0
+    leases: int = 0
+    on_node_leases: int = 0  # leases to a client on this replica's node (README, "Locality")
     errors: int = 0
     restarts: int = 0
     pid: int | None = None
@@ -69,6 +71,7 @@ class _Replica:
             "served_tokens": self.served_tokens,
             "served_micro_batches": self.served_micro_batches,
             "tokens_per_s": round(self.tokens_per_s(), 1),
+            "on_node_share": round(self.on_node_leases / self.leases, 3) if self.leases else None,
             "errors": self.errors,
             "restarts": self.restarts,
             "node_id": self.node_id,
@@ -81,10 +84,11 @@ class PoolRouter:
     `<pool name>-router` in the pool's namespace."""
 
     def __init__(self, replica_prefix: str, namespace: str,
-                 max_outstanding_tokens_per_replica: int) -> None:
+                 max_outstanding_tokens_per_replica: int, locality: bool = True) -> None:
         self._prefix = replica_prefix
         self._namespace = namespace
         self._max_tokens = max_outstanding_tokens_per_replica
+        self._locality = locality
         self._replicas: dict[str, _Replica] = {}  # name -> state
         self._removed: set[str] = set()  # names dropped on purpose; discovery skips them
         self._changed = asyncio.Condition()  # notified whenever capacity or membership changes
@@ -184,17 +188,23 @@ class PoolRouter:
     # ------------------------------------------------------------------ leases
 
     async def acquire(self, micro_batch_id: int, num_tokens: int, avoid: list[str],
-                      timeout_s: float) -> tuple[str, ActorHandle]:
-        """Lease a replica for one micro-batch (`routing.choose_replica` decides which), waiting
-        for capacity (backpressure) up to `timeout_s`."""
+                      timeout_s: float, client_node: str | None = None,
+                      ) -> tuple[str, ActorHandle]:
+        """Lease a replica for one micro-batch (`routing.choose_replica` decides which, preferring
+        `client_node` when locality is on), waiting for capacity (backpressure) up to
+        `timeout_s`."""
         deadline = time.monotonic() + timeout_s
+        prefer = client_node if self._locality else None
         async with self._changed:
             while True:
                 replica = choose_replica(self._replicas.values(), num_tokens, set(avoid),
-                                         self._max_tokens)
+                                         self._max_tokens, prefer)
                 if replica is not None:
                     replica.outstanding_tokens += num_tokens
                     replica.outstanding_micro_batches += 1
+                    replica.leases += 1
+                    if client_node is not None and client_node == replica.node_id:
+                        replica.on_node_leases += 1
                     replica.peak_outstanding_tokens = max(replica.peak_outstanding_tokens,
                                                           replica.outstanding_tokens)
                     self._leases += 1
@@ -245,11 +255,17 @@ class PoolRouter:
     # ------------------------------------------------------------------ status
 
     async def status(self) -> dict[str, Any]:
-        """Per replica: state, outstanding tokens, tokens/s, errors, restarts; plus totals."""
+        """Per replica: state, outstanding tokens, tokens/s, on-node share, errors, restarts;
+        plus totals."""
+        replicas = self._replicas.values()
+        leases = sum(r.leases for r in replicas)
         return {
             "replicas": {name: r.summary() for name, r in sorted(self._replicas.items())},
-            "ready_replicas": sum(r.state is ReplicaState.READY for r in self._replicas.values()),
+            "ready_replicas": sum(r.state is ReplicaState.READY for r in replicas),
             "leases": self._leases,
+            "locality": self._locality,
+            "on_node_share": round(sum(r.on_node_leases for r in replicas) / leases, 3)
+            if leases else None,
             "router": {"pid": os.getpid(), "rss_bytes": psutil.Process().memory_info().rss},
         }
 
