@@ -11,12 +11,13 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 logger = logging.getLogger("eagle_ray")
 
 BENCHMARKS = ["encodings", "backends", "handoff", "engine-start", "pool", "router", "scaling",
-              "transport", "locality", "train", "soak", "ingest"]
+              "transport", "locality", "autoscale", "train", "soak", "ingest"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -156,13 +157,25 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    """Print a running pool's status as JSON: per replica state, load, tokens/s, restarts."""
+    """Print a running pool's status as JSON: per replica state, load, tokens/s, on-node share,
+    restarts; with --watch, a compact table refreshed every few seconds until Ctrl-C."""
     from eagle_ray.cluster import connect
     from eagle_ray.pool import TargetPool
+    from eagle_ray.pool.status_view import format_status
 
     connect(args.address, args.namespace)
-    print(json.dumps(TargetPool.connect(args.name, args.namespace).status(), indent=2))
-    return 0
+    pool = TargetPool.connect(args.name, args.namespace)
+    if args.watch is None:
+        print(json.dumps(pool.status(), indent=2))
+        return 0
+    try:
+        while True:
+            table = format_status(args.name, pool.status())
+            sys.stdout.write("\x1b[H\x1b[2J" + table + "\n")  # home, clear: redraw in place
+            sys.stdout.flush()
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
 
 
 def _shutdown(args: argparse.Namespace) -> int:
@@ -216,6 +229,10 @@ def _bench(args: argparse.Namespace) -> int:
         from eagle_ray.bench import locality
 
         locality.run()
+    elif which == "autoscale":
+        from eagle_ray.bench import autoscale
+
+        autoscale.run()
     elif which == "train":
         from eagle_ray.bench import train
 
@@ -280,7 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. replicas=2 vllm_kwargs.max_model_len=4096")
 
-    add_pool_target(command("status", _status, "print a running pool's status (JSON)"))
+    status = command("status", _status, "print a running pool's status (JSON, or --watch)")
+    add_pool_target(status)
+    status.add_argument("--watch", type=float, nargs="?", const=2.0, default=None,
+                        metavar="SECONDS", help="refresh a compact table (every 2 s by default)")
     add_pool_target(command("shutdown", _shutdown, "remove a running pool"))
 
     bench = command("bench", _bench, "benchmarks; print JSON lines")

@@ -62,7 +62,7 @@ def job_demands(config: JobConfig) -> list[Demand]:
             else bundles
         demands += [Demand(f"target replica {i}", unit,
                            "target.tp_size / cpus_per_bundle / use_gpu / bundle_resources")
-                    for i in range(config.target.replicas) for unit in units]
+                    for i in range(config.target.initial_replicas) for unit in units]
     train = config.train
     worker = {"CPU": train.cpus_per_worker, **({"GPU": 1.0} if train.use_gpu else {}),
               **train.worker_resources}

@@ -182,9 +182,12 @@ def init_ray(config: JobConfig, log_to_driver: bool = True) -> None:
         ray.init(address="auto", log_to_driver=log_to_driver)
         logger.info("Ray: joined the running local cluster")
     except ConnectionError:
-        # A laptop: a local cluster with room for the workers, the replicas and the router.
-        cpus = config.train.workers * config.train.cpus_per_worker + config.target.replicas * (
-            config.target.cpus_per_bundle * config.target.tp_size) + 1
+        # A laptop: a local cluster with room for the workers, the replicas (as many as the pool
+        # may grow to) and the router.
+        target = config.target
+        replicas = target.autoscaling.max_replicas if target.autoscaling else target.replicas
+        cpus = config.train.workers * config.train.cpus_per_worker + replicas * (
+            target.cpus_per_bundle * target.tp_size) + 1
         ray.init(num_cpus=max(math.ceil(cpus), os.cpu_count() or 1),
                  object_store_memory=512 * 2**20, log_to_driver=log_to_driver)
         logger.info("Ray: started a local instance (%s CPUs)", ray.cluster_resources()["CPU"])

@@ -28,6 +28,7 @@ from eagle_ray.draft.export import export_draft
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool import PoolClient
+from eagle_ray.pool.telemetry import TrainerMetrics
 from eagle_ray.supervision import DraftVocab, draft_target
 from eagle_ray.trackers import Trackers
 
@@ -84,6 +85,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     trackers = Trackers(train.loggers, Path(loop_config["output_dir"]), job.run_name,
                         loop_config["job"], train.mlflow_tracking_uri, train.mlflow_experiment
                         ) if rank == 0 and train.loggers else None
+    telemetry = TrainerMetrics(job.run_name, rank)  # every worker, for Prometheus / Grafana
     # Logged metrics average over the steps since the last log (single steps are noisy).
     window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
     window_data_wait = micro_batches.seconds
@@ -126,6 +128,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                    # next micro-batch when it has room): report the two apart.
                    "pool_wait_share": max(window_wait - data_wait, 0.0) / max(elapsed, 1e-9),
                    "data_wait_share": data_wait / max(elapsed, 1e-9)}
+        telemetry.report(window_tokens / max(elapsed, 1e-9), metrics["pool_wait_share"])
         window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
         window_data_wait = micro_batches.seconds
         window_sums, window_steps = {}, 0

@@ -7,54 +7,24 @@ processes are stopped afterwards (never another Ray on the machine)."""
 import collections
 import json
 import os
-import shutil
-import socket
 import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 from eagle_ray.tiny import cache_root
 
+from ray_heads import BIN, agent_port_args, free_port, short_temp_dir, stop_head
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent  # the environment's ray / eagle-ray / python
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_head(temp_dir: str, gcs_address: str) -> None:
-    """Kill the head's processes (their command lines name its temp dir or GCS address) and
-    everything they started; other Ray instances on the machine are left alone."""
-    own = [p for p in psutil.process_iter(["cmdline"])
-           if any(temp_dir in arg or gcs_address in arg for arg in p.info["cmdline"] or [])]
-    family = {p.pid: p for p in own}
-    for process in own:
-        try:
-            family.update({c.pid: c for c in process.children(recursive=True)})
-        except psutil.NoSuchProcess:
-            pass
-    for process in family.values():
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(list(family.values()), timeout=30)
-    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def start_head(auth_mode: str):
     """`ray start --head` with the given auth mode: (env for its clients, addresses, stop)."""
-    temp_dir = f"/tmp/er-{uuid.uuid4().hex[:8]}"  # short: Ray's socket paths must fit 107 bytes
+    temp_dir = short_temp_dir()
     gcs_port, dashboard_port = free_port(), free_port()
     # The job's entrypoint runs with the head's PATH: start it with this environment first.
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
@@ -63,11 +33,7 @@ def start_head(auth_mode: str):
     subprocess.run([BIN / "ray", "start", "--head", f"--port={gcs_port}", "--num-cpus=2",
                     "--include-dashboard=true", f"--dashboard-port={dashboard_port}",
                     f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}",
-                    # Agent ports with fixed defaults: another Ray on the machine may hold them.
-                    f"--dashboard-agent-listen-port={free_port()}",
-                    f"--dashboard-agent-grpc-port={free_port()}",
-                    f"--runtime-env-agent-port={free_port()}",
-                    f"--metrics-export-port={free_port()}",
+                    *agent_port_args(),
                     "--object-store-memory=400000000", "--disable-usage-stats"],
                    check=True, env=env, capture_output=True, timeout=120)
     gcs = f"127.0.0.1:{gcs_port}"

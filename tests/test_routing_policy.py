@@ -73,3 +73,4 @@ def test_locality_never_overrides_health_or_a_failed_attempt():
     replicas[0].state = ReplicaState.READY
     assert choose(replicas, client_node="n1") == "a", "and back once it is ready again"
     assert choose(replicas, avoid=["a"], client_node="n1") == "b", "it failed this one: elsewhere"
+

@@ -12,6 +12,30 @@ from eagle_ray.config.loader import ConfigError
 
 
 @dataclasses.dataclass
+class AutoscalingConfig:
+    """Replicas follow demand (README, "Autoscaling"); the keys follow Ray Serve's
+    `autoscaling_config`. Demand is tokens leased or waiting for a lease."""
+
+    min_replicas: int = 1
+    max_replicas: int = 4
+    # Add replicas while demand per replica (ready or still starting) stays above this.
+    target_outstanding_tokens_per_replica: int = 8192
+    upscale_delay_s: float = 30.0  # demand must stay above target this long before adding
+    downscale_delay_s: float = 600.0  # ... and below it this long before removing (draining)
+    interval_s: float = 1.0  # how often the controller reads demand and decides
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ConfigError(f"autoscaling needs 0 <= min_replicas <= max_replicas and "
+                              f"max_replicas >= 1, got {self.min_replicas} and "
+                              f"{self.max_replicas}")
+        if self.target_outstanding_tokens_per_replica < 1:
+            raise ConfigError("autoscaling.target_outstanding_tokens_per_replica must be >= 1")
+        if min(self.upscale_delay_s, self.downscale_delay_s) < 0 or self.interval_s <= 0:
+            raise ConfigError("autoscaling delays must be >= 0 and interval_s > 0")
+
+
+@dataclasses.dataclass
 class PoolConfig:
     """What `TargetPool` builds. Every key is documented in the README ("Pool config keys")."""
 
@@ -42,6 +66,9 @@ class PoolConfig:
     # Locality: lease a replica on the client's own node while it has room (its results then
     # stay in that node's shared memory instead of crossing the network).
     locality: bool = True
+    # Autoscaling: None keeps `replicas` fixed; set, the pool starts `min_replicas` (or
+    # `replicas`, if larger and within bounds) and a controller adds and removes replicas.
+    autoscaling: AutoscalingConfig | None = None
     ready_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -60,6 +87,18 @@ class PoolConfig:
     @property
     def router_name(self) -> str:
         return f"{self.name}-router"
+
+    @property
+    def initial_replicas(self) -> int:
+        """Replicas the pool starts with: `replicas`, within the autoscaling bounds if any."""
+        if self.autoscaling is None:
+            return self.replicas
+        return min(max(self.replicas, self.autoscaling.min_replicas),
+                   self.autoscaling.max_replicas)
+
+    @property
+    def controller_name(self) -> str:
+        return f"{self.name}-controller"
 
     def replica_name(self, index: int) -> str:
         return f"{self.replica_prefix}{index}"

@@ -73,10 +73,11 @@ class PoolClient:
         self._inflight: collections.OrderedDict[int, InFlightMicroBatch] = collections.OrderedDict()
         self._fatal: BaseException | None = None  # a configuration error: every call raises it
         # retries: attempts re-run after a failure, of which reruns_on_same_replica landed on a
-        # replica that had already failed them; router_retries: calls to an unavailable router.
+        # replica that had already failed them; router_retries: calls to an unavailable router;
+        # served_by: results received per replica name.
         self.stats = {"submitted": 0, "delivered": 0, "retries": 0, "reruns_on_same_replica": 0,
                       "abandoned_attempts": 0, "router_retries": 0, "max_inflight": 0,
-                      "wait_seconds": 0.0}
+                      "wait_seconds": 0.0, "served_by": collections.Counter()}
 
     @classmethod
     def connect(cls, pool_name: str = "eagle_ray_pool", namespace: str = "eagle_ray",
@@ -294,6 +295,7 @@ class PoolClient:
         except GetTimeoutError:  # not actually ready; look again next round
             return
         self._release(item, ok=True)
+        self.stats["served_by"][item.replica] += 1
         if item.replica in item.failed_on:
             self.stats["reruns_on_same_replica"] += 1
         item.succeed(item.decode(payload))

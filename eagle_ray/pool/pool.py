@@ -8,26 +8,27 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
-from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.client import PoolClient
-from eagle_ray.pool.placement import (
-    create_replica_placement_group,
-    replica_actor_options,
-    replica_bundles,
+from eagle_ray.pool.controller import PoolController
+from eagle_ray.pool.placement import replica_bundles
+from eagle_ray.pool.replicas import (
+    kill_replica,
+    placement_groups,
+    replica_indices,
+    start_replica,
 )
-from eagle_ray.pool.replica import TargetReplica
 from eagle_ray.pool.router import PoolRouter
 
 logger = logging.getLogger(__name__)
 
 ROUTER_RESTART_WAIT_S = 120.0
 
-# One engine call at a time; health probes run beside it.
-_ReplicaActor = ray.remote(concurrency_groups={"generate": 1, "health": 1})(TargetReplica)
 _RouterActor = ray.remote(PoolRouter)
+_ControllerActor = ray.remote(PoolController)
 
 
 class TargetPool:
@@ -46,15 +47,18 @@ class TargetPool:
     def __init__(self, config: PoolConfig, router: Any) -> None:
         self.config = config
         self.router = router
-        self._next_index = 0
-        # Non-detached actors die with their last handle: the pool keeps one per replica.
+        self._next_index = 1 + max(replica_indices(config), default=-1)
+        # Non-detached actors die with their last handle: the pool keeps one per replica (and
+        # one for the autoscaling controller).
         self._handles: dict[int, Any] = {}
+        self._controller: Any = None
 
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
     def create(cls, config: PoolConfig, wait: bool = True) -> TargetPool:
-        """Start the router and `config.replicas` replicas.
+        """Start the router and `config.replicas` replicas (with `autoscaling`: that many
+        within its bounds, and the controller that sizes the pool from then on).
 
         Connects to Ray first when this process has not (`ray.init` in the pool's namespace).
 
@@ -74,10 +78,17 @@ class TargetPool:
         ).remote(config.replica_prefix, config.namespace,
                  config.max_outstanding_tokens_per_replica, config.locality)
         pool = cls(config, router)
-        for _ in range(config.replicas):
+        replicas = config.initial_replicas
+        for _ in range(replicas):
             pool.add_replica()
-        if wait and config.replicas:
-            pool.wait_ready(config.replicas, config.ready_timeout_s)
+        if config.autoscaling is not None:
+            pool._controller = _ControllerActor.options(
+                name=config.controller_name, namespace=config.namespace,
+                lifetime="detached" if config.detached else None,
+                max_restarts=-1, num_cpus=0, resources=dict(config.router_resources),
+            ).remote(config)
+        if wait and replicas:
+            pool.wait_ready(replicas, config.ready_timeout_s)
         return pool
 
     @classmethod
@@ -89,42 +100,32 @@ class TargetPool:
         except ValueError:
             raise ValueError(f"no eagle_ray pool named {name!r} in namespace {namespace!r} on "
                              f"this cluster; start one with `eagle-ray serve`") from None
-        pool = cls(config, router)
-        pool._next_index = 1 + max(pool._replica_indices(), default=-1)
-        return pool
+        return cls(config, router)
 
     def add_replica(self) -> int:
         """Reserve a placement group and start one replica in it; returns its index.
 
         A replica whose group does not fit the cluster stays pending (an autoscaler may add a
-        node for it); the rest of the pool keeps serving.
+        node for it); the rest of the pool keeps serving. On an autoscaled pool the controller
+        may later remove it again, as demand says.
         """
         index = self._next_index
         self._next_index += 1
-        pg = create_replica_placement_group(self.config, index)
-        handle = _ReplicaActor.options(
-            name=self.config.replica_name(index), namespace=self.config.namespace,
-            lifetime="detached" if self.config.detached else None,
-            max_restarts=-1, max_task_retries=0,
-            **replica_actor_options(self.config, pg),
-        ).remote(self.config, index)
-        self._handles[index] = handle
-        self._call_router("add_replica", self.config.replica_name(index), handle)
-        logger.info("replica %d requested (%d bundle(s) %s, %s)", index, self.config.tp_size,
-                    pg.bundle_specs[0], self.config.placement_strategy)
+        self._handles[index] = start_replica(self.config, index)
+        self._call_router("add_replica", self.config.replica_name(index), self._handles[index])
         return index
 
     def remove_replica(self, index: int | None = None, drain: bool = True) -> int:
         """Stop routing to a replica (the newest by default), drain it, then kill it."""
-        indices = self._replica_indices()
+        indices = replica_indices(self.config)
         if not indices:
             raise ValueError("the pool has no replicas to remove")
         index = max(indices) if index is None else index
-        drained = self._call_router("remove_replica", self.config.replica_name(index), drain)
-        if not drained:
+        if not self._call_router("remove_replica", self.config.replica_name(index), drain):
             logger.warning("replica %d did not drain in time; its micro-batches will be re-run",
                            index)
-        self._kill(index)
+        kill_replica(self.config, index)
+        self._handles.pop(index, None)
         return index
 
     def wait_ready(self, min_replicas: int, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -157,10 +158,15 @@ class TargetPool:
         return PoolClient.connect(self.config.name, self.config.namespace, config)
 
     def shutdown(self) -> None:
-        """Kill the replicas and the router and remove the placement groups."""
-        for index in self._replica_indices():
-            self._kill(index)
-        for pg in self._placement_groups():
+        """Kill the controller, the replicas and the router and remove the placement groups."""
+        try:
+            ray.kill(ray.get_actor(self.config.controller_name, namespace=self.config.namespace),
+                     no_restart=True)
+        except ValueError:
+            pass  # not autoscaled
+        for index in replica_indices(self.config):
+            kill_replica(self.config, index)
+        for pg in placement_groups(self.config):
             remove_placement_group(pg)
         self._handles.clear()
         ray.kill(self.router, no_restart=True)
@@ -181,30 +187,3 @@ class TargetPool:
                 logger.info("router of pool %s is restarting; calling %s again",
                             self.config.name, method)
                 time.sleep(0.5)
-
-    def _replica_indices(self) -> list[int]:
-        prefix = self.config.replica_prefix
-        return sorted(int(a["name"][len(prefix):])
-                      for a in ray.util.list_named_actors(all_namespaces=True)
-                      if a["namespace"] == self.config.namespace and a["name"].startswith(prefix))
-
-    def _placement_groups(self) -> list[PlacementGroup]:
-        prefix = self.config.replica_prefix
-        return [ray.util.get_placement_group(info["name"])
-                for info in ray.util.placement_group_table().values()
-                if info["name"].startswith(prefix) and info["state"] != "REMOVED"]
-
-    def _kill(self, index: int) -> None:
-        """Kill replica `index` and remove its placement group (either may be gone already)."""
-        self._handles.pop(index, None)
-        try:
-            ray.kill(ray.get_actor(self.config.replica_name(index),
-                                   namespace=self.config.namespace), no_restart=True)
-        except ValueError:
-            pass
-        try:
-            remove_placement_group(
-                ray.util.get_placement_group(self.config.placement_group_name(index)))
-        except ValueError:
-            pass
-

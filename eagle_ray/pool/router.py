@@ -19,10 +19,10 @@ from typing import Any
 import psutil
 import ray
 from ray.actor import ActorHandle
-from ray.util import metrics
 
 from eagle_ray.pool.routing import choose_replica
 from eagle_ray.pool.states import ReplicaState
+from eagle_ray.pool.telemetry import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +93,10 @@ class PoolRouter:
         self._removed: set[str] = set()  # names dropped on purpose; discovery skips them
         self._changed = asyncio.Condition()  # notified whenever capacity or membership changes
         self._leases = 0
+        self._waiting_tokens = 0  # of lease requests waiting for room (part of the demand)
+        self._autoscaling: dict[str, Any] | None = None  # the controller's last report
         self._last_health = 0.0  # monotonic time of the last probe of ready replicas
-        self._outstanding_gauge = metrics.Gauge(
-            "eagle_ray_replica_outstanding_tokens", "tokens leased and not yet released",
-            tag_keys=("replica",))
-        self._served_counter = metrics.Counter(
-            "eagle_ray_replica_served_tokens", "supervision tokens served", tag_keys=("replica",))
+        self._metrics = RouterMetrics(replica_prefix.removesuffix("-replica-"))
         self._discovery = asyncio.get_event_loop().create_task(self._discover_forever())
 
     # ------------------------------------------------------------------ membership
@@ -155,6 +153,9 @@ class PoolRouter:
                         self._probe_soon(replica)
                 if health_round:
                     self._last_health = time.monotonic()
+                self._metrics.ready.set(
+                    sum(r.state is ReplicaState.READY for r in self._replicas.values()),
+                    tags={"pool": self._metrics.pool})
             except Exception:  # keep discovering whatever one round hit
                 logger.exception("replica discovery failed")
             await asyncio.sleep(DISCOVERY_PERIOD_S)
@@ -177,6 +178,7 @@ class PoolRouter:
             replica.probing = False
         if replica.pid is not None and info["pid"] != replica.pid:
             replica.restarts += 1
+            self._metrics.restarts.inc(tags=self._metrics.replica(replica.name))
         replica.pid, replica.node_id, replica.info = info["pid"], info["node_id"], info
         if replica.state in (ReplicaState.STARTING, ReplicaState.SUSPECT):
             replica.state = ReplicaState.READY
@@ -193,31 +195,45 @@ class PoolRouter:
         """Lease a replica for one micro-batch (`routing.choose_replica` decides which, preferring
         `client_node` when locality is on), waiting for capacity (backpressure) up to
         `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         prefer = client_node if self._locality else None
         async with self._changed:
-            while True:
-                replica = choose_replica(self._replicas.values(), num_tokens, set(avoid),
-                                         self._max_tokens, prefer)
-                if replica is not None:
-                    replica.outstanding_tokens += num_tokens
-                    replica.outstanding_micro_batches += 1
-                    replica.leases += 1
-                    if client_node is not None and client_node == replica.node_id:
-                        replica.on_node_leases += 1
-                    replica.peak_outstanding_tokens = max(replica.peak_outstanding_tokens,
-                                                          replica.outstanding_tokens)
-                    self._leases += 1
-                    self._outstanding_gauge.set(replica.outstanding_tokens,
-                                                tags={"replica": replica.name})
-                    return replica.name, replica.handle
-                if not await self._wait_for_change(deadline):
-                    raise NoReplicaAvailable(
-                        f"no replica accepted micro-batch {micro_batch_id} ({num_tokens} tokens) "
-                        f"within {timeout_s:.0f}s; replicas: "
-                        f"{ {n: r.state.value for n, r in self._replicas.items()} or 'none'}"
-                        f"{'; already failed on ' + str(sorted(avoid)) if avoid else ''}"
-                    )
+            try:
+                self._waiting_tokens += num_tokens
+                return await self._grant(micro_batch_id, num_tokens, avoid, timeout_s,
+                                         client_node, prefer, deadline)
+            finally:
+                self._waiting_tokens -= num_tokens
+                self._metrics.lease_wait.observe(time.monotonic() - started,
+                                                 tags={"pool": self._metrics.pool})
+
+    async def _grant(self, micro_batch_id: int, num_tokens: int, avoid: list[str],
+                     timeout_s: float, client_node: str | None, prefer: str | None,
+                     deadline: float) -> tuple[str, ActorHandle]:
+        """`acquire`'s wait for a replica with room (holding `self._changed`)."""
+        while True:
+            replica = choose_replica(self._replicas.values(), num_tokens, set(avoid),
+                                     self._max_tokens, prefer)
+            if replica is not None:
+                replica.outstanding_tokens += num_tokens
+                replica.outstanding_micro_batches += 1
+                replica.leases += 1
+                if client_node is not None and client_node == replica.node_id:
+                    replica.on_node_leases += 1
+                replica.peak_outstanding_tokens = max(replica.peak_outstanding_tokens,
+                                                      replica.outstanding_tokens)
+                self._leases += 1
+                self._metrics.outstanding.set(replica.outstanding_tokens,
+                                              tags=self._metrics.replica(replica.name))
+                return replica.name, replica.handle
+            if not await self._wait_for_change(deadline):
+                raise NoReplicaAvailable(
+                    f"no replica accepted micro-batch {micro_batch_id} ({num_tokens} tokens) "
+                    f"within {timeout_s:.0f}s; replicas: "
+                    f"{ {n: r.state.value for n, r in self._replicas.items()} or 'none'}"
+                    f"{'; already failed on ' + str(sorted(avoid)) if avoid else ''}"
+                )
 
     async def _wait_for_change(self, deadline: float) -> bool:
         """Wait (holding `self._changed`) for a capacity or membership change, at most a second
@@ -238,14 +254,16 @@ class PoolRouter:
         if replica is not None:
             replica.outstanding_tokens = max(0, replica.outstanding_tokens - num_tokens)
             replica.outstanding_micro_batches = max(0, replica.outstanding_micro_batches - 1)
-            self._outstanding_gauge.set(replica.outstanding_tokens, tags={"replica": name})
+            self._metrics.outstanding.set(replica.outstanding_tokens,
+                                          tags=self._metrics.replica(name))
             if ok:
                 replica.served_tokens += num_tokens
                 replica.served_micro_batches += 1
                 replica.first_served_at = replica.first_served_at or time.monotonic()
-                self._served_counter.inc(num_tokens, tags={"replica": name})
+                self._metrics.served.inc(num_tokens, tags=self._metrics.replica(name))
             else:
                 replica.errors += 1
+                self._metrics.errors.inc(tags=self._metrics.replica(name))
                 if replica_died and replica.state is ReplicaState.READY:
                     replica.state = ReplicaState.SUSPECT
                     self._probe_soon(replica)
@@ -253,6 +271,21 @@ class PoolRouter:
             self._changed.notify_all()
 
     # ------------------------------------------------------------------ status
+
+    async def demand(self) -> dict[str, Any]:
+        """What the autoscaling controller reads: tokens leased and waiting, and each replica's
+        state and load (`pool/autoscaling.py`)."""
+        return {
+            "tokens": sum(r.outstanding_tokens for r in self._replicas.values())
+            + self._waiting_tokens,
+            "waiting_tokens": self._waiting_tokens,
+            "replicas": {name: (r.state.value, r.outstanding_tokens)
+                         for name, r in self._replicas.items()},
+        }
+
+    async def report_autoscaling(self, report: dict[str, Any]) -> None:
+        """The controller's latest decision and counts, shown in `status()`."""
+        self._autoscaling = report
 
     async def status(self) -> dict[str, Any]:
         """Per replica: state, outstanding tokens, tokens/s, on-node share, errors, restarts;
@@ -266,6 +299,8 @@ class PoolRouter:
             "locality": self._locality,
             "on_node_share": round(sum(r.on_node_leases for r in replicas) / leases, 3)
             if leases else None,
+            "demand_tokens": sum(r.outstanding_tokens for r in replicas) + self._waiting_tokens,
+            "autoscaling": self._autoscaling,
             "router": {"pid": os.getpid(), "rss_bytes": psutil.Process().memory_info().rss},
         }
 

@@ -1,0 +1,123 @@
+"""The autoscaling controller: an actor beside the router that sizes the pool to its demand.
+
+Every `interval_s` it reads the router's demand (tokens leased and waiting), asks
+`AutoscalingPolicy` how many replicas that needs, and starts replicas -- each in a new placement
+group, so on a cluster the Ray autoscaler launches the node it needs -- or drains and removes
+them: no new leases, the granted ones finish, then the actor and its group go, and the Ray
+autoscaler reaps the idle node. Removal takes replicas that never got a node first, then the
+least loaded, newest first. Every decision is logged with its reason and counted in the pool's
+status. It owns the replicas it starts (they die with it when the pool is not detached).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+
+from eagle_ray.config.pool import PoolConfig
+from eagle_ray.pool.autoscaling import AutoscalingPolicy, ScalingDecision
+from eagle_ray.pool.replicas import kill_replica, replica_indices, start_replica
+from eagle_ray.pool.states import ReplicaState
+from eagle_ray.pool.telemetry import ControllerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class PoolController:
+    """Async Ray actor named `<pool name>-controller`; created by `TargetPool` when the pool's
+    config has `autoscaling`."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        logging.basicConfig(level=logging.INFO)
+        assert config.autoscaling is not None
+        self._config = config
+        self._router = ray.get_actor(config.router_name, namespace=config.namespace)
+        self._policy = AutoscalingPolicy(config.autoscaling)
+        self._handles: dict[int, ActorHandle] = {}  # replicas it started: it keeps them alive
+        self._next_index = 1 + max(replica_indices(config), default=-1)
+        self._removing: set[str] = set()
+        self._counts = {"scale_ups": 0, "scale_downs": 0, "replicas_added": 0,
+                        "replicas_removed": 0}
+        self._last: dict[str, Any] | None = None
+        self._metrics = ControllerMetrics(config.name)
+        self._task = asyncio.get_event_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._tick()
+            except Exception:  # keep controlling whatever one round hit
+                logger.exception("autoscaling round failed")
+            await asyncio.sleep(self._config.autoscaling.interval_s)
+
+    async def _tick(self) -> None:
+        demand = await self._router.demand.remote()
+        supply = {name: (state, load) for name, (state, load) in demand["replicas"].items()
+                  if state != ReplicaState.DRAINING.value and name not in self._removing}
+        decision = self._policy.decide(time.monotonic(), demand["tokens"], len(supply))
+        if decision is not None:
+            await self._apply(decision, supply)
+        await self._report(demand["tokens"], supply)
+
+    async def _apply(self, decision: ScalingDecision, supply: dict[str, tuple[str, int]]) -> None:
+        change = decision.replicas - len(supply)
+        logger.info("autoscaling %s from %d to %d replicas: %s", "up" if change > 0 else "down",
+                    len(supply), decision.replicas, decision.reason)
+        direction = "up" if change > 0 else "down"
+        self._counts["scale_ups" if change > 0 else "scale_downs"] += 1
+        self._metrics.decisions.inc(tags={**self._metrics.tags, "direction": direction})
+        self._last = {"at": time.time(), "from": len(supply), "to": decision.replicas,
+                      "reason": decision.reason}
+        for _ in range(change):
+            index = self._next_index
+            self._next_index += 1
+            self._handles[index] = start_replica(self._config, index)
+            await self._router.add_replica.remote(self._config.replica_name(index),
+                                                  self._handles[index])
+            self._counts["replicas_added"] += 1
+        for name in self._removal_order(supply)[:max(-change, 0)]:
+            self._removing.add(name)
+            asyncio.get_event_loop().create_task(self._remove(name))
+
+    def _removal_order(self, supply: dict[str, tuple[str, int]]) -> list[str]:
+        """Replicas that never got a node (or an engine) first, then the least loaded, newest
+        first."""
+        return sorted(supply, key=lambda n: (supply[n][0] != ReplicaState.STARTING.value,
+                                             supply[n][1], -self._index(n)))
+
+    async def _remove(self, name: str) -> None:
+        index = self._index(name)
+        try:
+            if not await self._router.remove_replica.remote(name, True):
+                logger.warning("replica %s did not drain in time; its micro-batches will be "
+                               "re-run", name)
+            kill_replica(self._config, index)
+            self._counts["replicas_removed"] += 1
+        except Exception:
+            logger.exception("removing replica %s failed", name)
+        finally:
+            self._handles.pop(index, None)
+            self._removing.discard(name)
+
+    def _index(self, name: str) -> int:
+        return int(name[len(self._config.replica_prefix):])
+
+    async def _report(self, demand_tokens: int, supply: dict[str, tuple[str, int]]) -> None:
+        ready = sum(state == ReplicaState.READY.value for state, _ in supply.values())
+        counts = {"desired": self._policy.wanted(demand_tokens), "ready": ready,
+                  "starting": sum(state == ReplicaState.STARTING.value
+                                  for state, _ in supply.values())}
+        for kind, value in counts.items():
+            self._metrics.replicas.set(value, tags={**self._metrics.tags, "kind": kind})
+        self._metrics.demand.set(demand_tokens, tags=self._metrics.tags)
+        cfg = self._config.autoscaling
+        await self._router.report_autoscaling.remote({
+            "min_replicas": cfg.min_replicas, "max_replicas": cfg.max_replicas,
+            "target_outstanding_tokens_per_replica": cfg.target_outstanding_tokens_per_replica,
+            **counts, "replicas": len(supply), "removing": len(self._removing),
+            **self._counts, "last_decision": self._last})

@@ -1,0 +1,122 @@
+"""An autoscaled pool on a real Ray instance: replicas follow demand, one never gets room, and
+training rides through every change exactly once. The replicas run the synthetic backend (these
+tests are about scaling); a gate holds calls so demand stays up for as long as the test decides.
+"""
+
+import collections
+import urllib.request
+
+import pytest
+import ray
+
+from eagle_ray.config.pool import AutoscalingConfig
+
+from pool_helpers import (
+    TESTS_ON_WORKER_PATH,
+    TIMEOUT_S,
+    TrainerStandIn,
+    micro_batches,
+    running_ray,
+    synthetic_pool,
+    wait_until,
+)
+from ray_heads import free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """Room for two replicas (`slot`): a third, if asked for, waits like one whose node the
+    cluster cannot provide. Metrics are exported every second on a port of the test's own."""
+    port = free_port()
+    with running_ray(num_cpus=4, resources={"slot": 2}, namespace="eagle_ray_test",
+                     runtime_env=TESTS_ON_WORKER_PATH, _metrics_export_port=port,
+                     _system_config={"metrics_report_interval_ms": 1000}):
+        yield f"http://127.0.0.1:{port}/metrics"
+
+
+def pending_groups(pool) -> int:
+    return sum(info["state"] == "PENDING" for info in ray.util.placement_group_table().values()
+               if info["name"].startswith(pool.config.replica_prefix))
+
+
+def test_replicas_follow_demand_and_training_rides_through_exactly_once(local_ray, tmp_path):
+    gate = tmp_path / "hold"
+    gate.touch()
+    pool = synthetic_pool(
+        "autoscale", replicas=1, bundle_resources={"slot": 1},
+        backend_kwargs={"hold_while": str(gate), "seconds_per_call": 0.01},
+        autoscaling=AutoscalingConfig(min_replicas=1, max_replicas=3,
+                                      target_outstanding_tokens_per_replica=100,
+                                      upscale_delay_s=0.5, downscale_delay_s=1.0,
+                                      interval_s=0.2))
+    try:
+        trainers = [TrainerStandIn.remote("autoscale") for _ in range(3)]
+        runs = [t.run.remote(40, seed=90 + s) for s, t in enumerate(trainers)]
+        # Three windows of 8 micro-batches (26 tokens each) held on the engine: demand ~600
+        # tokens wants 6 replicas, capped at 3; the cluster has room for 2.
+        wait_until(lambda: (pool.status()["autoscaling"] or {}).get("replicas") == 3,
+                   what="scaled up to max_replicas")
+        wait_until(lambda: pool.status()["ready_replicas"] == 2, what="two replicas ready")
+        assert pending_groups(pool) == 1, "the third waits for room, the others serve"
+        status = pool.status()
+        assert status["autoscaling"]["scale_ups"] >= 1
+        assert "above the target 100" in status["autoscaling"]["last_decision"]["reason"]
+
+        gate.unlink()
+        served = collections.Counter()
+        for result in ray.get(runs, timeout=TIMEOUT_S):
+            assert len(result["correct"]) == 40 and all(result["correct"])
+            assert result["stats"]["delivered"] == 40 and result["stats"]["retries"] == 0
+            served.update(result["stats"]["served_by"])
+        assert sum(served.values()) == 120, "every micro-batch served once"
+        assert len(served) == 2, "the new replica took work (the third never got room)"
+
+        # Demand gone: after the delay the pool drains back to min_replicas, the replica that
+        # never got room first.
+        wait_until(lambda: len(pool.status()["replicas"]) == 1
+                   and pool.status()["autoscaling"]["removing"] == 0,
+                   what="scaled down to min_replicas")
+        status = pool.status()
+        assert status["ready_replicas"] == 1 and pending_groups(pool) == 0
+        assert status["autoscaling"]["scale_downs"] >= 1
+        assert status["autoscaling"]["replicas_removed"] == 2
+        assert "below the target" in status["autoscaling"]["last_decision"]["reason"]
+        result = ray.get(trainers[0].run.remote(10, seed=99), timeout=TIMEOUT_S)
+        assert all(result["correct"]), "the pool serves after scaling down"
+    finally:
+        pool.shutdown()
+
+
+def scrape(url: str, pool: str) -> dict[str, float]:
+    """`{series name: value summed over the pool's samples}` from a Prometheus endpoint."""
+    values: dict[str, float] = collections.defaultdict(float)
+    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+        if line.startswith("ray_eagle_ray_") and f'pool="{pool}"' in line:
+            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            values[name] += value
+    return values
+
+
+def test_the_pool_reports_its_series_to_prometheus(local_ray):
+    pool = synthetic_pool("metrics", replicas=2)
+    try:
+        client = pool.client()
+        inputs = micro_batches(12, seed=5)
+        assert len(list(client.stream(inputs))) == 12
+        wait_until(lambda: pool.status()["leases"] == 12
+                   and sum(r["served_micro_batches"]
+                           for r in pool.status()["replicas"].values()) == 12,
+                   what="every release recorded")
+        status = pool.status()
+        served = sum(r["served_tokens"] for r in status["replicas"].values())
+        expected = {"ray_eagle_ray_replica_served_tokens_total": served,
+                    "ray_eagle_ray_pool_ready_replicas": status["ready_replicas"],
+                    "ray_eagle_ray_replica_outstanding_tokens": 0,
+                    "ray_eagle_ray_pool_lease_wait_seconds_count": 12}
+        wait_until(lambda: all(scrape(local_ray, "metrics").get(name) == value
+                               for name, value in expected.items()),
+                   what=f"Prometheus series {expected}")
+    finally:
+        pool.shutdown()
