@@ -4,6 +4,7 @@ GPUs are logical (`num_gpus` on fake nodes): placement logic is real, no GPU is 
 run the synthetic backend; these tests are about where replicas go and what survives a node.
 """
 
+import collections
 import logging
 import threading
 import time
@@ -180,8 +181,10 @@ def plan_node(cluster):
                             object_store_memory=150 * 2**20)
 
 
-def served(pool) -> dict[str, int]:
-    return {name: r["served_micro_batches"] for name, r in pool.status()["replicas"].items()}
+def served_by(trainer) -> collections.Counter:
+    """Results the trainer's client received, per replica (counted as they arrive; the router's
+    own counts are updated by releases that may still be on their way)."""
+    return ray.get(trainer.stats.remote(), timeout=TIMEOUT_S)["served_by"]
 
 
 def test_trainers_are_served_on_their_node_and_elsewhere_only_while_its_replica_is_down(
@@ -201,18 +204,19 @@ def test_trainers_are_served_on_their_node_and_elsewhere_only_while_its_replica_
             assert len(result["correct"]) == 10 and all(result["correct"])
         status = pool.status()
         assert len({r["node_id"] for r in status["replicas"].values()}) == 2, "one per node"
+        # Leases are counted when granted, before the call: these counts are complete.
         assert status["on_node_share"] == 1.0, "every lease went to the trainer's own node"
-        assert all(r["served_micro_batches"] == 10 and r["on_node_share"] == 1.0
-                   for r in status["replicas"].values())
-
-        # The trainer's own replica dies with its micro-batch on the engine, and Ray's restart
-        # of it is held: everything goes to the other node's replica meanwhile.
+        assert all(r["on_node_share"] == 1.0 for r in status["replicas"].values())
         node = ray.get(trainers[0].node_id.remote(), timeout=TIMEOUT_S)
         own = next(n for n, r in status["replicas"].items() if r["node_id"] == node)
         other = next(n for n in status["replicas"] if n != own)
+        assert served_by(trainers[0]) == {own: 10} and served_by(trainers[1]) == {other: 10}
+
+        # The trainer's own replica dies with its micro-batch on the engine, and Ray's restart
+        # of it is held: everything goes to the other node's replica meanwhile.
         hold_calls.touch()
         hold_restart.touch()
-        before = served(pool)
+        before = served_by(trainers[0])
         run = trainers[0].run.remote(12, seed=70)
         wait_until(lambda: (tmp_path / "hold-calls.holding").exists(), what="a call on the engine")
         ray.kill(ray.get_actor(own, namespace="eagle_ray_test"), no_restart=False)
@@ -220,17 +224,29 @@ def test_trainers_are_served_on_their_node_and_elsewhere_only_while_its_replica_
         result = ray.get(run, timeout=TIMEOUT_S)
         assert len(result["correct"]) == 12 and all(result["correct"])
         assert result["stats"]["retries"] == 1, "the killed attempt was re-run, nothing else"
-        assert served(pool)[other] - before[other] == 12, "all served elsewhere at once"
+        assert result["stats"]["served_by"] - before == {other: 12}, "all elsewhere at once"
 
         # Back when it returns: the trainer's micro-batches stay on its node again.
         hold_restart.unlink()
         wait_until(lambda: replica_state(pool, own) == ("ready", 1), timeout_s=120,
                    what="the restarted replica ready again")
-        before = served(pool)
+        before = served_by(trainers[0])
         result = ray.get(trainers[0].run.remote(10, seed=80), timeout=TIMEOUT_S)
         assert all(result["correct"])
-        after = served(pool)
-        assert (after[own] - before[own], after[other] - before[other]) == (10, 0)
+        assert result["stats"]["served_by"] - before == {own: 10}
+
+        # It dies again, idle this time (no call of a client fails on it): its health probe
+        # goes unanswered while the restart is held, the router stops leasing it, and the
+        # trainer is served elsewhere instead of waiting for the restart.
+        hold_restart.touch()
+        ray.kill(ray.get_actor(own, namespace="eagle_ray_test"), no_restart=False)
+        wait_until(lambda: replica_state(pool, own)[0] == "suspect", timeout_s=120,
+                   what="the idle dead replica suspect")
+        stats = ray.get(trainers[0].stats.remote(), timeout=TIMEOUT_S)
+        result = ray.get(trainers[0].run.remote(10, seed=81), timeout=TIMEOUT_S)
+        assert all(result["correct"]) and result["stats"]["retries"] == stats["retries"]
+        assert result["stats"]["served_by"] - stats["served_by"] == {other: 10}
+        hold_restart.unlink()
     finally:
         pool.shutdown()
 

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 DISCOVERY_PERIOD_S = 0.5
 HEALTH_PERIOD_S = 2.0  # ready replicas are probed this often (restarts show as a new pid)
+# A ready replica's probe runs beside its engine calls (its own concurrency group) and answers in
+# milliseconds; one that does not answer this long is dead with its restart pending.
+PROBE_TIMEOUT_S = 10.0
 
 
 class NoReplicaAvailable(RuntimeError):
@@ -167,8 +170,16 @@ class PoolRouter:
 
     async def _probe(self, replica: _Replica) -> None:
         """Wait for a replica's `ready()`; a new pid means the actor was restarted."""
+        answer = asyncio.ensure_future(replica.handle.ready.remote())
         try:
-            info = await replica.handle.ready.remote()
+            answered, _ = await asyncio.wait({answer}, timeout=PROBE_TIMEOUT_S)
+            if not answered and replica.state is ReplicaState.READY:
+                # Died while idle and Ray's restart is pending (calls to it would wait for it):
+                # no leases until it answers.
+                logger.warning("replica %s did not answer its probe in %.0fs; suspect until it "
+                               "does", replica.name, PROBE_TIMEOUT_S)
+                replica.state = ReplicaState.SUSPECT
+            info = await answer
         except Exception as e:  # dead or restarting: probe again next round
             logger.info("replica %s not ready: %s", replica.name, type(e).__name__)
             if replica.state is ReplicaState.READY:
