@@ -8,6 +8,9 @@ import sys
 import time
 from collections.abc import Callable
 
+NAMESPACE = "eagle_ray_bench"  # every benchmark's pool lives here
+SYNTHETIC = "eagle_ray.testing:fixed_latency_target"  # the fixed-latency backend
+
 
 def emit(bench: str, metric: str, value: float, unit: str, **extra) -> dict:
     """Write one result line to stdout and return it."""

@@ -10,13 +10,11 @@ import time
 
 import ray
 
-from eagle_ray.bench import emit
+from eagle_ray.bench import NAMESPACE, SYNTHETIC, emit
 from eagle_ray.config.pool import AutoscalingConfig
 from eagle_ray.pool import ClientConfig, PoolClient, PoolConfig, TargetPool
 from eagle_ray.testing import random_micro_batch
 
-NAMESPACE = "eagle_ray_bench"
-SYNTHETIC = "eagle_ray.testing:fixed_latency_target"
 TOKENS = 64 * 4  # per micro-batch
 
 

@@ -13,12 +13,11 @@ import time
 import ray
 import torch
 
-from eagle_ray.bench import emit
-from eagle_ray.bench.transport import NAMESPACE, simulated_nodes
+from eagle_ray.bench import NAMESPACE, SYNTHETIC, emit
+from eagle_ray.bench.transport import simulated_nodes
 from eagle_ray.pool import ClientConfig, PoolClient, PoolConfig, TargetPool
 from eagle_ray.testing import random_micro_batch
 
-SYNTHETIC = "eagle_ray.testing:fixed_latency_target"
 VOCAB = 1024
 PLAN = {"target_slot": 1, "trainer_slot": 1}  # per node: one replica, one trainer
 

@@ -12,17 +12,15 @@ import time
 
 import ray
 
-from eagle_ray.bench import emit
+from eagle_ray.bench import NAMESPACE, SYNTHETIC, emit
 from eagle_ray.pool import ClientConfig, PoolConfig, TargetPool
 from eagle_ray.testing import random_micro_batch
-
-SYNTHETIC = "eagle_ray.testing:fixed_latency_target"
 
 
 def _start_ray() -> None:
     if not ray.is_initialized():
         ray.init(num_cpus=16, object_store_memory=1 * 2**30, include_dashboard=False,
-                 namespace="eagle_ray_bench", log_to_driver=False)
+                 namespace=NAMESPACE, log_to_driver=False)
 
 
 def _stream_rate(pool: TargetPool, batches: list, window: int) -> float:
@@ -46,7 +44,7 @@ def run_overhead(model_path: str, shapes: list[tuple[int, int]], rounds: int = 3
     # actor's OMP_NUM_THREADS from its CPUs).
     pool = TargetPool.create(PoolConfig(model_path=model_path, dtype="float32",
                                         cpus_per_bundle=float(os.cpu_count() or 1),
-                                        name="bench-overhead", namespace="eagle_ray_bench"))
+                                        name="bench-overhead", namespace=NAMESPACE))
     direct = VLLMEagle3TargetModel.from_pretrained(model_path, dtype="float32")
     replica = ray.get_actor(pool.config.replica_name(0), namespace=pool.config.namespace)
     try:
@@ -92,7 +90,7 @@ def run_router(num_micro_batches: int = 400) -> None:
     """Micro-batches/s through a zero-cost replica, and the router's lease latency."""
     _start_ray()
     pool = TargetPool.create(PoolConfig(backend=SYNTHETIC, name="bench-router", replicas=2,
-                                        cpus_per_bundle=0.5, namespace="eagle_ray_bench",
+                                        cpus_per_bundle=0.5, namespace=NAMESPACE,
                                         max_outstanding_tokens_per_replica=1 << 30))
     try:
         batches = [random_micro_batch(1024, (16,), seed=i) for i in range(num_micro_batches)]
@@ -127,7 +125,7 @@ def run_scaling(replica_counts: tuple[int, ...] = (1, 2, 4, 8),
     for n in replica_counts:
         pool = TargetPool.create(PoolConfig(
             backend=SYNTHETIC, name=f"bench-scale-{n}", replicas=n, cpus_per_bundle=0.1,
-            namespace="eagle_ray_bench", backend_kwargs={"seconds_per_call": seconds_per_call}))
+            namespace=NAMESPACE, backend_kwargs={"seconds_per_call": seconds_per_call}))
         try:
             batches = [random_micro_batch(1024, (64,) * 4, seed=i) for i in range(20 * n)]
             rates[n] = _stream_rate(pool, batches, window=2 * n + 2)

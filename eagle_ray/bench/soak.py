@@ -21,14 +21,13 @@ from typing import Any
 import ray
 import torch
 
-from eagle_ray.bench import emit
+from eagle_ray.bench import NAMESPACE, SYNTHETIC, emit
 from eagle_ray.config import ClientConfig, PoolConfig
 from eagle_ray.pool import MicroBatchFailed, PoolClient, TargetPool
 from eagle_ray.testing import random_micro_batch, synthetic_aux_states
 
 logger = logging.getLogger(__name__)
 
-SYNTHETIC = "eagle_ray.testing:fixed_latency_target"
 HIDDEN, VOCAB = 8, 1024
 FAULTS = ("sigkill_replica", "sigstop_replica", "kill_router", "remove_replica", "add_replica")
 CLIENT = ClientConfig(max_inflight_micro_batches=4, timeout_s=2.0, max_attempts=8,
@@ -134,14 +133,14 @@ def run_phase(seconds: float, clients: int, faults: bool, seed: int,
     """
     name = f"soak-{'faults' if faults else 'clean'}-{seed}"
     pool = TargetPool.create(PoolConfig(
-        backend=SYNTHETIC, name=name, namespace="eagle_ray_bench", replicas=3,
+        backend=SYNTHETIC, name=name, namespace=NAMESPACE, replicas=3,
         cpus_per_bundle=0.25, backend_kwargs={"seconds_per_call": 0.01,
                                               "hidden_size": HIDDEN, "vocab_size": VOCAB}))
     rng = random.Random(seed)
     injected = dict.fromkeys(FAULTS, 0)
     stopped: dict[int, float] = {}
     try:
-        actors = [SoakClient.remote(name, "eagle_ray_bench", seed * 100 + k)
+        actors = [SoakClient.remote(name, NAMESPACE, seed * 100 + k)
                   for k in range(clients)]
         runs = [a.run.remote() for a in actors]
         # The clock starts once every client streams (actor start-up is not part of the soak).
@@ -177,7 +176,7 @@ def run(minutes: float = 1.0, clients: int = 4, seed: int = 0) -> dict[str, Any]
     """A fault-free phase, then a phase with faults, each `minutes` long; JSON lines out."""
     if not ray.is_initialized():
         ray.init(num_cpus=8, object_store_memory=512 * 2**20, include_dashboard=False,
-                 namespace="eagle_ray_bench", log_to_driver=False)
+                 namespace=NAMESPACE, log_to_driver=False)
     clean = run_phase(minutes * 60, clients, faults=False, seed=seed)
     faulty = run_phase(minutes * 60, clients, faults=True, seed=seed + 1)
     for key in ("delivered", "lost", "duplicated", "wrong", "retries"):

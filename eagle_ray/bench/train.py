@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 import ray
 import torch
 
-from eagle_ray.bench import emit
+from eagle_ray.bench import NAMESPACE, emit
 from eagle_ray.bench.pool import _start_ray
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
 from eagle_ray.supervision import DraftVocab, draft_target
@@ -80,7 +80,7 @@ def run(model_path: str, steps: int = 20, rounds: int = 3, batch: int = 8, seq: 
                      for i in range(steps)]
     _start_ray()
     pool = TargetPool.create(PoolConfig(model_path=model_path, dtype="float32",
-                                        name="bench-train", namespace="eagle_ray_bench"))
+                                        name="bench-train", namespace=NAMESPACE))
     client = pool.client(ClientConfig(max_inflight_micro_batches=prefetch))
     sources = {
         "colocated_vllm": lambda batches: prefetched(colocated, batches, prefetch),

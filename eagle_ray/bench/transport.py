@@ -17,11 +17,9 @@ import torch
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from eagle_ray.bench import best_seconds, emit
+from eagle_ray.bench import NAMESPACE, best_seconds, emit
 from eagle_ray.pool.transport import batch_from_numpy, batch_to_numpy
 from eagle_ray.target_batch import Eagle3TargetBatch
-
-NAMESPACE = "eagle_ray_bench"
 
 
 @contextlib.contextmanager

@@ -208,24 +208,24 @@ class PoolRouter:
         `timeout_s`."""
         started = time.monotonic()
         deadline = started + timeout_s
-        prefer = client_node if self._locality else None
         async with self._changed:
             try:
                 self._waiting_tokens += num_tokens
                 return await self._grant(micro_batch_id, num_tokens, avoid, timeout_s,
-                                         client_node, prefer, deadline)
+                                         client_node, deadline)
             finally:
                 self._waiting_tokens -= num_tokens
                 self._metrics.lease_wait.observe(time.monotonic() - started,
                                                  tags={"pool": self._metrics.pool})
 
     async def _grant(self, micro_batch_id: int, num_tokens: int, avoid: list[str],
-                     timeout_s: float, client_node: str | None, prefer: str | None,
+                     timeout_s: float, client_node: str | None,
                      deadline: float) -> tuple[str, ActorHandle]:
         """`acquire`'s wait for a replica with room (holding `self._changed`)."""
         while True:
             replica = choose_replica(self._replicas.values(), num_tokens, set(avoid),
-                                     self._max_tokens, prefer)
+                                     self._max_tokens,
+                                     client_node if self._locality else None)
             if replica is not None:
                 replica.outstanding_tokens += num_tokens
                 replica.outstanding_micro_batches += 1
@@ -287,12 +287,14 @@ class PoolRouter:
         """What the autoscaling controller reads: tokens leased and waiting, and each replica's
         state and load (`pool/autoscaling.py`)."""
         return {
-            "tokens": sum(r.outstanding_tokens for r in self._replicas.values())
-            + self._waiting_tokens,
+            "tokens": self._demand_tokens(),
             "waiting_tokens": self._waiting_tokens,
             "replicas": {name: (r.state.value, r.outstanding_tokens)
                          for name, r in self._replicas.items()},
         }
+
+    def _demand_tokens(self) -> int:
+        return sum(r.outstanding_tokens for r in self._replicas.values()) + self._waiting_tokens
 
     async def report_autoscaling(self, report: dict[str, Any]) -> None:
         """The controller's latest decision and counts, shown in `status()`."""
@@ -310,7 +312,7 @@ class PoolRouter:
             "locality": self._locality,
             "on_node_share": round(sum(r.on_node_leases for r in replicas) / leases, 3)
             if leases else None,
-            "demand_tokens": sum(r.outstanding_tokens for r in replicas) + self._waiting_tokens,
+            "demand_tokens": self._demand_tokens(),
             "autoscaling": self._autoscaling,
             "router": {"pid": os.getpid(), "rss_bytes": psutil.Process().memory_info().rss},
         }
