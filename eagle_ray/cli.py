@@ -1,5 +1,5 @@
-"""`eagle-ray` command line: `train`, `regenerate`, `eval`, `demo`, `serve`, `status`, `shutdown`,
-`bench`.
+"""`eagle-ray` command line: `train`, `cache`, `regenerate`, `eval`, `demo`, `serve`, `status`,
+`shutdown`, `bench`.
 
 Results go to stdout (benchmarks: JSON lines); logs go to stderr.
 """
@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+from eagle_ray.bench import BENCHMARKS
+
 logger = logging.getLogger("eagle_ray")
 
-BENCHMARKS = ["encodings", "backends", "handoff", "engine-start", "pool", "router", "scaling",
-              "transport", "locality", "autoscale", "train", "soak", "ingest"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -71,6 +71,19 @@ def _train(args: argparse.Namespace) -> int:
     log_file = _job_console(job, args.verbose)
     summary = run_job(job, log_to_driver=args.verbose)
     print(format_summary({**summary, "log_file": str(log_file)}), flush=True)
+    return 0
+
+
+def _cache(args: argparse.Namespace) -> int:
+    """Write the pool's supervision for the job's data to `data.supervision_cache` (sharded
+    safetensors, an index, the target's fingerprint); `eagle-ray train` with the same key then
+    reads it instead of starting a pool. Prints the cache's summary (JSON)."""
+    from eagle_ray.cache_job import run_cache
+    from eagle_ray.config import JobConfig, load_yaml
+
+    job = load_yaml(JobConfig, args.config, args.overrides)
+    _job_console(job, args.verbose)
+    print(json.dumps(run_cache(job, log_to_driver=args.verbose)), flush=True)
     return 0
 
 
@@ -190,61 +203,10 @@ def _shutdown(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     """Run one benchmark; results are JSON lines on stdout, ratios measured in the same run."""
-    import torch
-
-    from eagle_ray.bench import backends, encodings, handoff, pool
+    from eagle_ray import bench
     from eagle_ray.tiny import tiny_target
 
-    which = args.which
-    if which == "encodings":
-        encodings.run()
-    elif which == "handoff":
-        handoff.run()
-    elif which == "engine-start":
-        backends.run_engine_start(str(tiny_target(args.arch)))
-    elif which == "backends":
-        from eagle_ray.hf_target import HFEagle3TargetModel
-        from eagle_ray.supervision import DraftVocab
-        from eagle_ray.vllm_target import VLLMEagle3TargetModel
-
-        model_path = tiny_target(args.arch)
-        hf = HFEagle3TargetModel.from_pretrained(model_path, dtype=torch.float32)
-        half_vocab = DraftVocab.from_token_counts(torch.ones(hf.vocab_size), hf.vocab_size // 2)
-        hf = HFEagle3TargetModel(hf.model, hf.aux_layer_ids, draft_vocab=half_vocab)
-        backends.run_measured_bytes(hf)
-        vllm = VLLMEagle3TargetModel.from_pretrained(model_path, dtype="float32")
-        backends.run_backends({"hf": hf, "vllm": vllm}, baseline="hf")
-        vllm.shutdown()
-    elif which == "pool":
-        pool.run_overhead(str(tiny_target(args.arch)), [(8, 128), (16, 256), (8, 480)])
-    elif which == "router":
-        pool.run_router()
-    elif which == "scaling":
-        pool.run_scaling()
-    elif which == "transport":
-        from eagle_ray.bench import transport
-
-        transport.run()
-    elif which == "locality":
-        from eagle_ray.bench import locality
-
-        locality.run()
-    elif which == "autoscale":
-        from eagle_ray.bench import autoscale
-
-        autoscale.run()
-    elif which == "train":
-        from eagle_ray.bench import train
-
-        train.run(str(tiny_target(args.arch)))
-    elif which == "ingest":
-        from eagle_ray.bench import ingest
-
-        ingest.run(str(tiny_target(args.arch)), sizes=tuple(args.conversations))
-    elif which == "soak":
-        from eagle_ray.bench import soak
-
-        soak.run(minutes=args.minutes)
+    bench.run(args.which, str(tiny_target(args.arch)), args)
     return 0
 
 
@@ -275,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. train.steps=50 target.replicas=2")
 
+    cache = command("cache", _cache, "write the pool's supervision for the job's data to disk")
+    cache.add_argument("--config", required=True, help="job config YAML (keys: see README)")
+    cache.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="e.g. data.supervision_cache=runs/cache target.encoding_dtype=fp8")
+
     regenerate = command("regenerate", _regenerate,
                          "regenerate a chat dataset's answers with the target through the pool")
     regenerate.add_argument("--config", required=True, help="job config YAML (target, pool)")
@@ -304,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_pool_target(command("shutdown", _shutdown, "remove a running pool"))
 
     bench = command("bench", _bench, "benchmarks; print JSON lines")
-    bench.add_argument("which", choices=BENCHMARKS, help="which benchmark (see README)")
+    bench.add_argument("which", choices=list(BENCHMARKS), help="which benchmark (see README)")
     bench.add_argument("--arch", default="llama", choices=["llama", "qwen3"],
                        help="tiny target architecture")
     bench.add_argument("--minutes", type=float, default=1.0,

@@ -90,8 +90,10 @@ def checkpoint_fingerprint(model_path: str | Path) -> str:
     return digest.hexdigest()[:32]
 
 
-def check_job_target(target: PoolConfig, served: TargetIdentity) -> None:
-    """Stop a job whose target settings disagree with what the pool serves.
+def check_job_target(target: PoolConfig, served: TargetIdentity, source: str | None = None
+                     ) -> None:
+    """Stop a job whose target settings disagree with what the pool serves (or what made its
+    supervision, `source`: a supervision cache).
 
     Settings the job left unset (`model_path`, `aux_layer_ids` None, `dtype` "auto") adopt the
     pool's. The encoding is not compared: the trainer decodes every encoding the same way.
@@ -109,8 +111,9 @@ def check_job_target(target: PoolConfig, served: TargetIdentity) -> None:
     if target.dtype != "auto" and target.dtype != served.dtype:
         problems.append(f"target.dtype {target.dtype} differs from the pool's {served.dtype}")
     if problems:
+        source = source or f"the pool {target.name!r}"
         raise ConfigError(
-            f"the pool {target.name!r} serves {served.describe()}, but " + "; ".join(problems)
-            + ". A draft trained on this pool's supervision would be exported for a target it "
-            "was not trained on. Make the job's target.* settings match the pool (or leave them "
-            "unset to adopt the pool's), or serve the pool with the job's settings.")
+            f"{source} serves {served.describe()}, but " + "; ".join(problems)
+            + f". A draft trained on this supervision would be exported for a target it was not "
+            f"trained on. Make the job's target.* settings match {source} (or leave them unset "
+            f"to adopt its target), or make the supervision with the job's settings.")

@@ -49,13 +49,13 @@ class Capacity:
     node_types: list[tuple[Resources, int]]
 
 
-def job_demands(config: JobConfig) -> list[Demand]:
-    """What `config` will ask Ray for: the replicas it starts (none when it joins a shared pool)
-    and the trainer's workers."""
+def job_demands(config: JobConfig, with_pool: bool = True) -> list[Demand]:
+    """What `config` will ask Ray for: the replicas it starts (none when it joins a shared pool
+    or, `with_pool=False`, reads a supervision cache) and the trainer's workers."""
     from eagle_ray.pool.placement import replica_bundles
 
     demands = []
-    if not config.use_shared_pool:
+    if with_pool and not config.use_shared_pool:
         bundles = replica_bundles(config.target)
         # STRICT_PACK puts a replica's TP bundles on one node; other strategies may spread them.
         units = [_total(bundles)] if config.target.placement_strategy == "STRICT_PACK" \
@@ -120,9 +120,9 @@ def never_fit(demands: Iterable[Demand], capacity: Capacity) -> list[str]:
     return problems
 
 
-def check_job_resources(config: JobConfig) -> None:
+def check_job_resources(config: JobConfig, with_pool: bool = True) -> None:
     """Raise `ResourcesNeverFit` when the job can never run here; log what it will wait for."""
-    demands = job_demands(config)
+    demands = job_demands(config, with_pool)
     capacity = cluster_capacity()
     problems = never_fit(demands, capacity)
     if problems:

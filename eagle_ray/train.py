@@ -3,7 +3,9 @@
 `run_job` starts the pool (or joins a shared one started with `eagle-ray serve`) and checks that
 what it serves is the target the job means, tokenises the chat data for that target, builds (or
 reuses) the draft vocabulary, runs a `TorchTrainer` whose workers are `eagle_ray.train_loop`,
-and evaluates the exported draft.
+and evaluates the exported draft. With `data.supervision_cache` it starts no pool and reads no
+data: the cache (`eagle_ray.supervision_cache`) holds the supervision, the draft vocabulary and
+the held-out conversations.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import ray
 from eagle_ray.config import ClientConfig, ConfigError, JobConfig, to_dict
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.report import serve_command, write_report_png
+from eagle_ray.supervision_cache import SupervisionCache
 from eagle_ray.train_loop import train_loop_per_worker
 
 logger = logging.getLogger(__name__)
@@ -52,16 +55,18 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
     warn_about_settings(config)
     output_dir = Path(config.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
+    cache = SupervisionCache.open(config.data.supervision_cache) \
+        if config.data.supervision_cache else None
     init_ray(config, log_to_driver)
-    check_job_resources(config)
+    check_job_resources(config, with_pool=cache is None)
 
-    with job_pool(config) as (pool, served):
+    with job_supervision(config, cache) as (pool, served):
         # A path the job names (its own mount of the same checkpoint) wins over the pool's.
         model_path = config.target.model_path or served.model_path
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        data = prepare_job_data(config, served, model_path, tokenizer,
-                                pool.client(ClientConfig(max_inflight_micro_batches=16)),
-                                output_dir)
+        data = cached_job_data(config, cache) if cache else prepare_job_data(
+            config, served, model_path, tokenizer,
+            pool.client(ClientConfig(max_inflight_micro_batches=16)), output_dir)
         board = ProgressBoard.remote()
         trainer = TorchTrainer(
             train_loop_per_worker,
@@ -74,7 +79,7 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
                 "output_dir": str(output_dir),
                 "progress": board,
             },
-            datasets={"train": data.train},
+            datasets={"train": data.train} if data.train is not None else None,
             scaling_config=ScalingConfig(
                 num_workers=config.train.workers, use_gpu=config.train.use_gpu,
                 resources_per_worker={"CPU": config.train.cpus_per_worker,
@@ -121,6 +126,34 @@ def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     """The run's logged metrics (`metrics.jsonl`, one object per log window)."""
     path = output_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@contextlib.contextmanager
+def job_supervision(config: JobConfig, cache: SupervisionCache | None
+                    ) -> Iterator[tuple[Any, TargetIdentity]]:
+    """`(pool, what it serves)` from `job_pool`, or `(None, what made the cache)` when the job
+    reads a supervision cache (checked against the job's target settings)."""
+    if cache is None:
+        with job_pool(config) as pool_and_served:
+            yield pool_and_served
+        return
+    cache.check_target(config.target)
+    logger.info("supervision from the cache %s (%d micro-batches, %d tokens), made by %s",
+                cache.path, len(cache), cache.index["tokens"], cache.identity.describe())
+    yield None, cache.identity
+
+
+def cached_job_data(config: JobConfig, cache: SupervisionCache):
+    """What the job trains on and evaluates with, from the cache (no data is read)."""
+    from eagle_ray.ingest import JobData
+
+    vocab = cache.draft_vocab
+    if vocab.size != config.data.draft_vocab_size:
+        raise ConfigError(f"the supervision cache {cache.path} was written with a draft "
+                          f"vocabulary of {vocab.size} tokens, the job asks for "
+                          f"data.draft_vocab_size={config.data.draft_vocab_size}; set it to "
+                          f"{vocab.size} or write the cache again")
+    return JobData(None, cache.index["held_out"], vocab, cache.index["statuses"], None)
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from eagle_ray.checkpoint import load_embedding_and_head
-from eagle_ray.config import ClientConfig, JobConfig, TrainConfig, from_dict
+from eagle_ray.config import ClientConfig, DataConfig, JobConfig, TrainConfig, from_dict
 from eagle_ray.data import padding_share, token_budget_micro_batches
 from eagle_ray.draft.export import export_draft
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
@@ -30,6 +30,7 @@ from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool import PoolClient
 from eagle_ray.pool.telemetry import TrainerMetrics
 from eagle_ray.supervision import DraftVocab, draft_target
+from eagle_ray.supervision_cache import SupervisionCache
 from eagle_ray.trackers import Trackers
 
 logger = logging.getLogger(__name__)
@@ -73,11 +74,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         start_step = state["step"]
         logger.info("worker %d resumes at step %d", rank, start_step)
 
-    client = PoolClient.connect(job.target.name, job.target.namespace,
-                                ClientConfig(max_inflight_micro_batches=train.prefetch))
-    micro_batches = TimedIterator(itertools.islice(
-        shard_micro_batches(ray.train.get_dataset_shard("train"), job, loop_config["pad_id"],
-                            rank), train.steps - start_step))
+    if job.data.supervision_cache:
+        # Supervision read from disk: the time spent reading counts as waiting for data.
+        micro_batches = TimedIterator(SupervisionCache.open(job.data.supervision_cache).stream(
+            rank, world, train.seed + start_step))
+        supervision = micro_batches
+    else:
+        client = PoolClient.connect(job.target.name, job.target.namespace,
+                                    ClientConfig(max_inflight_micro_batches=train.prefetch))
+        micro_batches = TimedIterator(itertools.islice(
+            shard_micro_batches(ray.train.get_dataset_shard("train"), job,
+                                loop_config["pad_id"], rank), train.steps - start_step))
+        supervision = client.stream(micro_batches)
 
     metrics_path = Path(loop_config["output_dir"]) / "metrics.jsonl"
     # Rank 0 reports: the driver's progress bar (`console.ProgressBoard`) and the trackers.
@@ -91,7 +99,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     window_data_wait = micro_batches.seconds
     window_sums: dict[str, float] = {}
     window_steps = 0
-    supervision = client.stream(micro_batches)
     for step in range(start_step, train.steps):
         waited = time.perf_counter()
         batch = next(supervision).to(device)
@@ -159,22 +166,28 @@ def shard_micro_batches(shard, job: JobConfig, pad_id: int, rank: int
                         ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """This worker's shard of the training rows as token-budget micro-batches, epoch after
     epoch (each epoch's row order and packing seeded by the epoch), for as long as asked."""
-    data = job.data
     for epoch in itertools.count():
-        seed = job.train.seed * 1000 + epoch
-        rows = ((ids, mask) for batch in shard.iter_batches(
-                    batch_size=data.shuffle_window, batch_format="numpy",
-                    local_shuffle_buffer_size=data.shuffle_window, local_shuffle_seed=seed)
-                for ids, mask in zip(batch["input_ids"], batch["loss_mask"], strict=True))
         produced = 0
-        for micro_batch in token_budget_micro_batches(
-                rows, data.max_tokens_per_micro_batch, data.micro_batch_size,
-                data.shuffle_window, pad_id, seed):
+        for micro_batch in epoch_micro_batches(shard, job.data, pad_id,
+                                               job.train.seed * 1000 + epoch):
             produced += 1
             yield micro_batch
         if not produced:
             raise RuntimeError(f"worker {rank} received no training rows: the dataset has fewer "
                                f"rows than workers (train.workers={job.train.workers})")
+
+
+def epoch_micro_batches(dataset, data: DataConfig, pad_id: int, seed: int
+                        ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One pass over `dataset`'s rows (a Ray Dataset or shard) as token-budget micro-batches,
+    rows shuffled locally and packed with `seed`."""
+    rows = ((ids, mask) for batch in dataset.iter_batches(
+                batch_size=data.shuffle_window, batch_format="numpy",
+                local_shuffle_buffer_size=data.shuffle_window, local_shuffle_seed=seed)
+            for ids, mask in zip(batch["input_ids"], batch["loss_mask"], strict=True))
+    yield from token_budget_micro_batches(rows, data.max_tokens_per_micro_batch,
+                                          data.micro_batch_size, data.shuffle_window, pad_id,
+                                          seed)
 
 
 class TimedIterator:

@@ -15,12 +15,15 @@ import pytest
 import ray
 import torch
 
+from eagle_ray.fp8 import ROUND_TRIP_BOUND
 from eagle_ray.pool import ClientConfig, MicroBatchFailed, PoolClient
 from eagle_ray.pool.transport import batch_from_numpy, batch_to_numpy
 from eagle_ray.target_batch import Eagle3TargetBatch
 from eagle_ray.target_runner import SelfCheckError
+from eagle_ray.testing import synthetic_aux_states
 
 from pool_helpers import (
+    HIDDEN,
     TESTS_ON_WORKER_PATH,
     TIMEOUT_S,
     TrainerStandIn,
@@ -90,6 +93,37 @@ def test_killed_replica_loses_nothing_and_comes_back():
                 timeout=TIMEOUT_S)
         assert replica_status(pool, 0)["served_micro_batches"] > before, \
             "the restarted replica takes work again"
+    finally:
+        pool.shutdown()
+
+
+def test_a_replica_killed_with_several_micro_batches_inside_loses_and_repeats_none(gate):
+    """A replica accepts several micro-batches at once (merged into engine calls); killed with
+    four inside, exactly those four are re-run elsewhere, and the stream keeps its order."""
+    pool = synthetic_pool("kill-several", replica_concurrency=4,
+                          backend_kwargs={"hold_while": str(gate)})
+    try:
+        client = pool.client(ClientConfig(max_inflight_micro_batches=8))
+        inputs = micro_batches(20, seed=21)
+        results = []
+        streaming = threading.Thread(target=lambda: results.extend(client.stream(inputs)))
+        streaming.start()
+
+        def inside(index):
+            ready = ray.get(replica_handle(pool, index).ready.remote(), timeout=TIMEOUT_S)
+            return ready["engine"]["inside"]
+        wait_until(lambda: (inside(0), inside(1)) == (4, 4),
+                   what="four micro-batches inside each replica, the engines held")
+        ray.kill(replica_handle(pool, 0), no_restart=False)
+        wait_until(lambda: client.stats["retries"] == 4, what="the four lost ones re-run")
+        gate.unlink()
+        streaming.join(TIMEOUT_S)
+        assert len(results) == 20
+        assert all(is_correct(x, b) for x, b in zip(inputs, results, strict=True)), "in order"
+        assert client.stats["delivered"] == 20 and client.stats["retries"] == 4
+        assert sum(client.stats["served_by"].values()) == 20, "each delivered once"
+        engine = ray.get(replica_handle(pool, 1).ready.remote(), timeout=TIMEOUT_S)["engine"]
+        assert engine["merged_calls"] >= 1, "micro-batches waiting together shared a call"
     finally:
         pool.shutdown()
 
@@ -290,3 +324,22 @@ def test_bf16_supervision_round_trips_through_the_object_store_bit_for_bit():
     for name, tensor in batch.tensors().items():
         assert back.tensors()[name].dtype == tensor.dtype, name
         assert torch.equal(back.tensors()[name], tensor), name
+
+
+def test_an_fp8_pool_ships_e4m3_bytes_and_the_client_gets_dequantised_supervision():
+    pool = synthetic_pool("fp8", replicas=1, encoding_dtype="fp8")
+    try:
+        inputs = micro_batches(1, seed=11)[0]
+        payload = ray.get(replica_handle(pool, 0).generate.remote(
+            0, tuple(t.numpy() for t in inputs)), timeout=TIMEOUT_S)
+        values, dtype_name, scales = payload["aux_hidden_states"]
+        assert (values.dtype, dtype_name, scales.shape) == (np.uint8, "float32", (3, 12, 3))
+        client = pool.client()
+        batch = client.result(client.submit(*inputs))
+        assert batch.aux_hidden_states.dtype == torch.float32
+        expected = synthetic_aux_states(inputs[0], HIDDEN) * inputs[1].unsqueeze(-1)
+        relative, _ = ROUND_TRIP_BOUND
+        assert not torch.equal(batch.aux_hidden_states, expected), "quantised on the way"
+        assert ((batch.aux_hidden_states - expected).abs() <= relative * expected.abs()).all()
+    finally:
+        pool.shutdown()

@@ -164,3 +164,40 @@ def test_the_printed_serve_command_loads_the_draft_in_vllm(trained):
         assert len(out[0].outputs[0].token_ids) == 4
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def test_a_supervision_cache_trains_without_a_pool_and_refuses_another_target(
+        local_ray, tmp_path, monkeypatch, qwen3_path):
+    """`eagle-ray cache` writes the pool's supervision (fp8); training from it starts no pool and
+    reads no data, and a job meant for another target refuses the cache."""
+    import torch
+
+    from eagle_ray import train
+    from eagle_ray.cache_job import run_cache
+    from eagle_ray.config import ConfigError
+    from eagle_ray.supervision_cache import SupervisionCache
+
+    cached = ["data.num_samples=60", "regenerate.enabled=false", "eval.enabled=false",
+              "train.loggers=[]", "train.steps=6", "train.log_every=3",
+              "train.checkpoint_every=6", "run_name=from-cache", "target.encoding_dtype=fp8",
+              f"data.supervision_cache={tmp_path / 'cache'}"]
+    summary = run_cache(job(tmp_path / "write", *cached))
+    cache = SupervisionCache.open(tmp_path / "cache")
+    assert summary["micro_batches"] == len(cache) >= 2 and cache.index["encoding_dtype"] == "fp8"
+    assert cache.index["statuses"]["kept"] > 0 and len(cache.index["held_out"]) == 8
+    stored = cache.read(0)
+    assert stored.aux_hidden_states.dtype == torch.float32, "dequantised to the engine's dtype"
+    assert bool((stored.aux_hidden_states[stored.attention_mask.bool()].abs().sum(-1) > 0).all())
+
+    def no_pool(config):
+        raise AssertionError("training from a supervision cache started a pool")
+    monkeypatch.setattr(train, "job_pool", no_pool)
+    result = run_job(job(tmp_path / "train", *cached))
+    assert result["final_metrics"]["step"] == 6
+    metrics = train.read_metrics(tmp_path / "train")
+    assert [m["step"] for m in metrics] == [3, 6] and all(m["loss_0"] > 0 for m in metrics)
+    assert torch.isfinite(torch.tensor([m["loss"] for m in metrics])).all()
+    with pytest.raises(ConfigError, match="another checkpoint"):
+        run_job(job(tmp_path / "other", *cached, f"target.model_path={qwen3_path}"))
+    with pytest.raises(ConfigError, match="aux_layer_ids"):
+        run_job(job(tmp_path / "other", *cached, "target.aux_layer_ids=[0,1,2]"))

@@ -54,3 +54,20 @@ def run_engine_start(model_path: str) -> None:
     for mode, value in seconds.items():
         emit("engine_start", "seconds", round(value, 2), "s", engine_core=mode,
              baseline="inprocess", ratio=round(value / seconds["inprocess"], 3))
+
+
+def run(model_path: str) -> None:
+    """HF vs vLLM (in-process engine) on the tiny fp32 target, and the bytes of each encoding."""
+    import torch
+
+    from eagle_ray.hf_target import HFEagle3TargetModel
+    from eagle_ray.supervision import DraftVocab
+    from eagle_ray.vllm_target import VLLMEagle3TargetModel
+
+    hf = HFEagle3TargetModel.from_pretrained(model_path, dtype=torch.float32)
+    half_vocab = DraftVocab.from_token_counts(torch.ones(hf.vocab_size), hf.vocab_size // 2)
+    hf = HFEagle3TargetModel(hf.model, hf.aux_layer_ids, draft_vocab=half_vocab)
+    run_measured_bytes(hf)
+    vllm = VLLMEagle3TargetModel.from_pretrained(model_path, dtype="float32")
+    run_backends({"hf": hf, "vllm": vllm}, baseline="hf")
+    vllm.shutdown()

@@ -6,14 +6,18 @@ side by side in the same run.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import statistics
+import threading
 import time
 
 import ray
 
 from eagle_ray.bench import NAMESPACE, SYNTHETIC, emit
 from eagle_ray.pool import ClientConfig, PoolConfig, TargetPool
+from eagle_ray.pool.engine_queue import merge_micro_batches
 from eagle_ray.testing import random_micro_batch
 
 
@@ -23,20 +27,29 @@ def _start_ray() -> None:
                  namespace=NAMESPACE, log_to_driver=False)
 
 
-def _stream_rate(pool: TargetPool, batches: list, window: int) -> float:
-    """Supervision tokens/s of one client streaming `batches` through `pool`."""
-    client = pool.client(ClientConfig(max_inflight_micro_batches=window,
-                                      max_inflight_tokens=1 << 30))
-    list(client.stream(batches[:2]))  # warm-up
+def _stream_rate(pool: TargetPool, batches: list, window: int, clients: int = 1) -> float:
+    """Supervision tokens/s of `clients` clients (threads) each streaming `batches` through
+    `pool` at once."""
+    streams = [pool.client(ClientConfig(max_inflight_micro_batches=window,
+                                        max_inflight_tokens=1 << 30)) for _ in range(clients)]
+    for client in streams:
+        list(client.stream(batches[:2]))  # warm-up
+    threads = [threading.Thread(target=lambda c=c: collections.deque(c.stream(batches), 0))
+               for c in streams]
     start = time.perf_counter()
-    for _ in client.stream(batches):
-        pass
-    tokens = sum(int(b[1].sum()) for b in batches)
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    tokens = clients * sum(int(b[1].sum()) for b in batches)
     return tokens / (time.perf_counter() - start)
 
 
-def run_overhead(model_path: str, shapes: list[tuple[int, int]], rounds: int = 3) -> None:
-    """Pool with one vLLM replica vs the same backend in this process, same micro-batches."""
+def run_overhead(model_path: str, shapes: list[tuple[int, int]], rounds: int = 3,
+                 clients: int = 4) -> None:
+    """Pool with one vLLM replica vs the same backend in this process, same micro-batches; and
+    `clients` clients at once vs the in-process engine handed `clients` micro-batches as one
+    call (the most the replica's merging can give)."""
     from eagle_ray.vllm_target import VLLMEagle3TargetModel
 
     _start_ray()
@@ -53,14 +66,26 @@ def run_overhead(model_path: str, shapes: list[tuple[int, int]], rounds: int = 3
                        for i in range(12)]
             tokens = batch * seq * len(batches)
             inputs = [ray.put(tuple(t.numpy() for t in b)) for b in batches]
-            rates: dict[str, list[float]] = {"in_process": [], "pool_1_replica": [],
-                                             "replica_calls_only": []}
+            merged = [merge_micro_batches(batches[i:i + clients])
+                      for i in range(0, len(batches), clients)]
+            busy: dict[str, list[float]] = {"pool_1_replica": [], f"pool_{clients}_clients": []}
+            rates: dict[str, list[float]] = {
+                "in_process": [], "pool_1_replica": [], "replica_calls_only": [],
+                f"in_process_{clients}_merged": [], f"pool_{clients}_clients": []}
             for _ in range(rounds):  # interleaved, so drift hits all paths alike
-                rates["pool_1_replica"].append(_stream_rate(pool, batches, window=4))
+                for path, n in (("pool_1_replica", 1), (f"pool_{clients}_clients", clients)):
+                    with _engine_busy(replica) as share:
+                        rates[path].append(_stream_rate(pool, batches, window=4, clients=n))
+                    busy[path].append(share[0])
                 start = time.perf_counter()
                 for b in batches:
                     direct.generate_batch(*b)
                 rates["in_process"].append(tokens / (time.perf_counter() - start))
+                start = time.perf_counter()
+                for b in merged:
+                    direct.generate_batch(*b)
+                rates[f"in_process_{clients}_merged"].append(
+                    tokens / (time.perf_counter() - start))
                 # The replica called directly, with the same window of 4 calls in flight and the
                 # results fetched, but no client state machine and no router.
                 start = time.perf_counter()
@@ -68,12 +93,28 @@ def run_overhead(model_path: str, shapes: list[tuple[int, int]], rounds: int = 3
                 rates["replica_calls_only"].append(tokens / (time.perf_counter() - start))
             best = {path: max(values) for path, values in rates.items()}
             for path, rate in best.items():
+                baseline = (f"in_process_{clients}_merged" if path == f"pool_{clients}_clients"
+                            else "in_process")
                 emit("pool", "supervision_tokens_per_s", round(rate, 1), "tok/s", path=path,
-                     batch=batch, seq=seq, baseline="in_process",
-                     ratio=round(rate / best["in_process"], 3))
+                     batch=batch, seq=seq, baseline=baseline,
+                     ratio=round(rate / best[baseline], 3),
+                     ratio_to_in_process=round(rate / best["in_process"], 3),
+                     **({"engine_busy_share": round(max(busy[path]), 3)} if path in busy else {}))
     finally:
         direct.shutdown()
         pool.shutdown()
+
+
+@contextlib.contextmanager
+def _engine_busy(replica):
+    """Yields a list that holds, afterwards, the share of the time the replica's engine was busy
+    (the rest it idled waiting for work)."""
+    share: list[float] = []
+    before = ray.get(replica.ready.remote())["engine"]["busy_s"]
+    start = time.perf_counter()
+    yield share
+    after = ray.get(replica.ready.remote())["engine"]["busy_s"]
+    share.append((after - before) / (time.perf_counter() - start))
 
 
 def _call_with_window(replica, inputs: list, window: int) -> None:

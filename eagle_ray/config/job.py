@@ -32,6 +32,9 @@ class DataConfig:
     tokenize_workers: int = 1  # Ray Data actors tokenising in parallel (scale with the data)
     draft_vocab_size: int = 32000  # = the target's vocabulary: a full-vocabulary draft
     eval_samples: int = 16  # the first N conversations are held out for evaluation
+    # A folder for the pool's supervision (`eagle-ray cache` writes it; training then reads it
+    # instead of calling the pool: no target replicas, no data reading). None: no cache.
+    supervision_cache: str | None = None
 
 
 @dataclasses.dataclass

@@ -46,6 +46,9 @@ class PoolConfig:
     dtype: str = "auto"
     aux_layer_ids: list[int] | None = None
     encoding: Literal["last_hidden", "logits"] = "last_hidden"
+    # How hidden states travel: "auto" in the engine's dtype, "fp8" as float8 e4m3 with a scale
+    # per token and layer (half of bf16's bytes; the trainer dequantises; eagle_ray.fp8).
+    encoding_dtype: Literal["auto", "fp8"] = "auto"
     vllm_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     backend_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Placement: one group per replica, one bundle per TP rank.
@@ -63,6 +66,11 @@ class PoolConfig:
     router_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     # Load: the router keeps at most this many tokens outstanding on one replica.
     max_outstanding_tokens_per_replica: int = 16384
+    # A replica accepts this many micro-batches at once; those waiting together are merged into
+    # one engine call (sharing engine steps) of at most `max_tokens_per_engine_call` padded
+    # slots (rows x longest row; a larger micro-batch runs alone). 1: one at a time, no merging.
+    replica_concurrency: int = 4
+    max_tokens_per_engine_call: int = 16384
     # Locality: lease a replica on the client's own node while it has room (its results then
     # stay in that node's shared memory instead of crossing the network).
     locality: bool = True
@@ -78,6 +86,8 @@ class PoolConfig:
             raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.max_outstanding_tokens_per_replica < 1:
             raise ConfigError("max_outstanding_tokens_per_replica must be >= 1")
+        if self.replica_concurrency < 1 or self.max_tokens_per_engine_call < 1:
+            raise ConfigError("replica_concurrency and max_tokens_per_engine_call must be >= 1")
         if self.backend not in ("vllm", "hf") and ":" not in self.backend:
             raise ConfigError(f"backend must be 'vllm', 'hf' or 'module:factory', "
                               f"got {self.backend!r}")

@@ -1,10 +1,14 @@
-"""The replica actor: one target backend (vLLM by default) inside its own placement group."""
+"""The replica actor: one target backend (vLLM by default) inside its own placement group.
+
+It accepts up to `PoolConfig.replica_concurrency` micro-batches at once; an `EngineQueue` feeds
+them to the engine, merged, from one thread (`eagle_ray.pool.engine_queue`)."""
 
 from __future__ import annotations
 
 import importlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +19,7 @@ import torch
 
 from eagle_ray.config.pool import PoolConfig
 from eagle_ray.identity import TargetIdentity
+from eagle_ray.pool.engine_queue import EngineQueue
 from eagle_ray.pool.failures import FailureKind, classify
 from eagle_ray.pool.transport import batch_to_numpy
 from eagle_ray.target_batch import validate_micro_batch, validate_prompts
@@ -83,8 +88,12 @@ class TargetReplica:
         self.started = time.time()
         self.backend = build_backend(config)
         self.identity = TargetIdentity.of_backend(self.backend, resolve_model_path(config))
+        self.encoding_dtype = config.encoding_dtype
         self.served_tokens = 0
         self.served_micro_batches = 0
+        self._count_lock = threading.Lock()
+        self.engine = EngineQueue(lambda mb: self.backend.generate_batch(*mb), self._serve,
+                                  config.max_tokens_per_engine_call, name=f"engine-{index}")
         logger.info("replica %d ready on node %s", index,
                     ray.get_runtime_context().get_node_id())
 
@@ -104,20 +113,20 @@ class TargetReplica:
             "identity": self.identity.to_dict(),
             "served_tokens": self.served_tokens,
             "served_micro_batches": self.served_micro_batches,
+            "engine": dict(self.engine.stats),
         }
 
     @ray.method(concurrency_group="generate")
     def generate(self, micro_batch_id: int, inputs: tuple[np.ndarray, np.ndarray, np.ndarray],
                  ) -> dict[str, tuple[np.ndarray, str]]:
         """Supervision for one micro-batch `(input_ids, attention_mask, loss_mask)`, as numpy
-        arrays for the object store."""
+        arrays for the object store. Checked here, so bad input never joins a merged call."""
         tensors = micro_batch_tensors(inputs)
         validate_micro_batch(*tensors, vocab_size=self.backend.vocab_size,
                              max_length=self.backend.max_length)
-        batch = self._serve(micro_batch_id, lambda: self.backend.generate_batch(*tensors))
-        self.served_tokens += int(tensors[1].sum())
-        self.served_micro_batches += 1
-        return batch_to_numpy(batch)
+        batch = self.engine.generate(tuple(tensors))
+        self._count(int(tensors[1].sum()))
+        return batch_to_numpy(batch, self.encoding_dtype)  # fp8: quantised here, off the engine
 
     @ray.method(concurrency_group="generate")
     def complete(self, request_id: int, request: tuple[list[list[int]], dict[str, Any]]
@@ -129,18 +138,23 @@ class TargetReplica:
         validate_prompts(prompts, vocab_size=self.backend.vocab_size,
                          max_length=self.backend.max_length,
                          max_new_tokens=sampling.max_new_tokens)
-        generated = self._serve(request_id, lambda: self.backend.complete(prompts, sampling))
-        self.served_tokens += sum(map(len, prompts)) + sum(map(len, generated))
-        self.served_micro_batches += 1
+        generated = self.engine.call(lambda: self.backend.complete(prompts, sampling))
+        self._count(sum(map(len, prompts)) + sum(map(len, generated)))
         return generated
 
-    def _serve(self, request_id: int, call: Callable[[], Any]) -> Any:
-        """Run `call` on the engine; a transient failure ends the process (Ray restarts it)."""
+    def _count(self, tokens: int) -> None:
+        with self._count_lock:  # request threads finish concurrently
+            self.served_tokens += tokens
+            self.served_micro_batches += 1
+
+    def _serve(self, call: Callable[[], Any]) -> Any:
+        """Run `call` on the engine; a transient failure ends the process (Ray restarts it, and
+        every micro-batch it held is re-run elsewhere by its client)."""
         try:
             return call()
         except Exception as e:
             if classify(e) is not FailureKind.TRANSIENT:
                 raise
-            logger.exception("replica %d: engine failed on request %d; exiting so Ray "
-                             "restarts this replica with a fresh engine", self.index, request_id)
+            logger.exception("replica %d: engine failed; exiting so Ray restarts this replica "
+                             "with a fresh engine", self.index)
             os._exit(1)

@@ -4,6 +4,7 @@ pool the same way; each registers with and drains through the router itself."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import ray
@@ -16,8 +17,12 @@ from eagle_ray.pool.replica import TargetReplica
 
 logger = logging.getLogger(__name__)
 
-# One engine call at a time; health probes run beside it.
-ReplicaActor = ray.remote(concurrency_groups={"generate": 1, "health": 1})(TargetReplica)
+
+@functools.cache
+def replica_actor_class(concurrency: int):
+    """The replica actor class accepting `concurrency` micro-batches at once (merged by its
+    EngineQueue); health probes run beside them. (Ray takes concurrency groups only here.)"""
+    return ray.remote(concurrency_groups={"generate": concurrency, "health": 1})(TargetReplica)
 
 
 def start_replica(config: PoolConfig, index: int) -> ActorHandle:
@@ -28,7 +33,7 @@ def start_replica(config: PoolConfig, index: int) -> ActorHandle:
     the pool keeps serving.
     """
     pg = create_replica_placement_group(config, index)
-    handle = ReplicaActor.options(
+    handle = replica_actor_class(config.replica_concurrency).options(
         name=config.replica_name(index), namespace=config.namespace,
         lifetime="detached" if config.detached else None,
         max_restarts=-1, max_task_retries=0,

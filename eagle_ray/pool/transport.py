@@ -3,6 +3,8 @@
 Ray stores numpy arrays out of band and readers on the same node map them without a copy; torch
 tensors would be copied on read (unless RAY_ENABLE_ZERO_COPY_TORCH_TENSORS is set everywhere).
 bf16 has no numpy dtype, so it travels as its int16 bit pattern with the torch dtype alongside.
+With `encoding_dtype="fp8"` the hidden states travel as e4m3 bytes with their scales
+(`eagle_ray.fp8`) and are dequantised on read, into the dtype the engine produced.
 Tensors read back are views of read-only object-store memory: clone before writing into them.
 """
 
@@ -13,30 +15,50 @@ import warnings
 import numpy as np
 import torch
 
-from eagle_ray.target_batch import Eagle3TargetBatch
+from eagle_ray.fp8 import FP8, QUANTISED_FIELDS, dequantize_fp8, quantize_fp8
+from eagle_ray.target_batch import NUM_AUX_LAYERS, Eagle3TargetBatch
 
-_VIEW_AS = {torch.bfloat16: torch.int16}
+_VIEW_AS = {torch.bfloat16: torch.int16, FP8: torch.uint8}
+# {field: (array, torch dtype name)}, or (e4m3 bytes, dtype to restore, fp32 scales) for fp8.
+Payload = dict[str, tuple]
 
 
-def batch_to_numpy(batch: Eagle3TargetBatch) -> dict[str, tuple[np.ndarray, str]]:
-    """`{field: (array, torch dtype name)}` for every set field; no copy for CPU tensors."""
+def batch_to_numpy(batch: Eagle3TargetBatch, encoding_dtype: str = "auto") -> Payload:
+    """Every set field as numpy; no copy for CPU tensors, unless quantised to fp8."""
+    hidden = batch.aux_hidden_states.shape[-1] // NUM_AUX_LAYERS
     out = {}
     for name, tensor in batch.tensors().items():
-        tensor = tensor.detach().cpu().contiguous()
-        view = _VIEW_AS.get(tensor.dtype)
-        array = (tensor.view(view) if view is not None else tensor).numpy()
-        out[name] = (array, str(tensor.dtype).removeprefix("torch."))
+        tensor = tensor.detach().cpu()
+        if encoding_dtype == "fp8" and name in QUANTISED_FIELDS:
+            values, scales = quantize_fp8(tensor, hidden)
+            out[name] = (_to_numpy(values), _dtype_name(tensor.dtype), scales.numpy())
+        else:
+            out[name] = (_to_numpy(tensor), _dtype_name(tensor.dtype))
     return out
 
 
-def batch_from_numpy(payload: dict[str, tuple[np.ndarray, str]]) -> Eagle3TargetBatch:
+def batch_from_numpy(payload: Payload) -> Eagle3TargetBatch:
     """Inverse of `batch_to_numpy`; zero-copy views where the arrays allow it."""
     tensors = {}
     with warnings.catch_warnings():
         # Object-store arrays are read-only; torch warns that writes would be undefined.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for name, (array, dtype_name) in payload.items():
-            tensor = torch.from_numpy(array)
+        for name, (array, dtype_name, *scales) in payload.items():
             dtype = getattr(torch, dtype_name)
+            if scales:
+                tensors[name] = dequantize_fp8(torch.from_numpy(array).view(FP8),
+                                               torch.from_numpy(scales[0]), dtype)
+                continue
+            tensor = torch.from_numpy(array)
             tensors[name] = tensor.view(dtype) if tensor.dtype != dtype else tensor
     return Eagle3TargetBatch(**tensors)
+
+
+def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.contiguous()
+    view = _VIEW_AS.get(tensor.dtype)
+    return (tensor.view(view) if view is not None else tensor).numpy()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

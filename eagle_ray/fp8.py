@@ -1,0 +1,41 @@
+"""fp8 supervision (`encoding_dtype: fp8`): hidden states as float8 e4m3 with a scale per token
+and per captured layer, half the bytes of bf16 (docs/contract.md, "Encodings").
+
+Each token's slice of each layer (H values) is scaled so its largest magnitude maps to e4m3's
+largest finite value (448) and rounded to the nearest e4m3 value; the scale travels as fp32. A
+value `x` comes back within `|x| * 2**-4 + scale * 2**-10` (half a unit in the last place of
+e4m3's 3-bit mantissa, or half the smallest subnormal step, 2**-9, for values near zero):
+`ROUND_TRIP_BOUND`. Only hidden states are quantised (aux and `last_hidden`); ids, masks, logits
+and probabilities keep their dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+QUANTISED_FIELDS = ("aux_hidden_states", "last_hidden")
+ENCODING_DTYPES = ("auto", "fp8")  # auto: the engine's own dtype (bf16 on GPUs)
+# |x - dequantised| <= RELATIVE * |x| + ABSOLUTE * scale, for every value.
+ROUND_TRIP_BOUND = (2.0**-4, 2.0**-10)
+
+
+def quantize_fp8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(values e4m3 [..., D], scales fp32 [..., D // group_size])` for `x [..., D]`, one scale
+    per `group_size` consecutive values of the last axis (a token's slice of one layer)."""
+    if x.shape[-1] % group_size:
+        raise ValueError(f"the last axis ({x.shape[-1]}) is not a multiple of the group size "
+                         f"{group_size}")
+    groups = x.float().reshape(*x.shape[:-1], -1, group_size)
+    scale = groups.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero slices (padding)
+    values = (groups / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return values.reshape(x.shape), scale.squeeze(-1)
+
+
+def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_fp8`, in `dtype`."""
+    groups = values.float().reshape(*scales.shape, -1) * scales.unsqueeze(-1)
+    return groups.reshape(values.shape).to(dtype)
