@@ -22,6 +22,7 @@ import torch
 from eagle_ray.target_runner import RunnerOutput, Sampling, TargetRunner
 from eagle_ray.vllm_handoff import (
     CAPTURE_ARG,
+    DEFAULT_CAPACITY,
     PARAMS_KEY,
     Handoff,
     choose_handoff,
@@ -107,6 +108,7 @@ class VLLMTargetRunner(TargetRunner):
         multiprocess: bool | None = None,
         handoff: str | None = None,
         handoff_dir: str | None = None,
+        handoff_ring_bytes: int = DEFAULT_CAPACITY,
     ) -> None:
         from vllm.platforms import current_platform
 
@@ -124,10 +126,11 @@ class VLLMTargetRunner(TargetRunner):
         self.dtype = dtype
         self.is_cpu = current_platform.is_cpu()
         self.multiprocess = (tp_size > 1) if multiprocess is None else multiprocess
-        self.handoff: Handoff = choose_handoff(
-            handoff, same_process=not self.multiprocess and tp_size == 1, directory=handoff_dir)
         self.engine_tag = uuid.uuid4().hex[:12]
         self.key_prefix = handoff_key(self.engine_tag, "")  # every key this engine publishes
+        self.handoff: Handoff = choose_handoff(
+            handoff, same_process=not self.multiprocess and tp_size == 1,
+            key_prefix=self.key_prefix, directory=handoff_dir, ring_bytes=handoff_ring_bytes)
 
         engine_kwargs = {**(CPU_DEFAULTS if self.is_cpu else GPU_DEFAULTS), **vllm_kwargs}
         engine_kwargs.update(

@@ -53,6 +53,7 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
         multiprocess: bool | None = None,
         handoff: str | None = None,
         handoff_dir: str | None = None,
+        handoff_ring_bytes: int | None = None,
     ) -> VLLMEagle3TargetModel:
         """Build the capturing vLLM engine and read the embedding and head from the checkpoint.
 
@@ -74,9 +75,12 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
             multiprocess: run the engine core in its own process; None: only when `tp_size > 1`
                 (an in-process engine starts about 5x faster, but one per process).
             handoff: how captured states come back: "inprocess" (a dictionary; in-process
-                engine, TP 1), "shm" (files in /dev/shm) or "file" (files in `handoff_dir`);
-                None: the cheapest that works.
+                engine, TP 1), "shm" (one persistent ring per engine in /dev/shm, read as
+                zero-copy views) or "file" (a file per request in `handoff_dir`); None: the
+                cheapest that works.
             handoff_dir: the directory of the "file" hand-off (or of "shm", default /dev/shm).
+            handoff_ring_bytes: the "shm" ring's size (default 256 MiB); a request that finds
+                it full goes through a file of its own.
         """
         from eagle_ray.vllm_runner import VLLMTargetRunner
 
@@ -91,6 +95,7 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
             str(model_path), capture_ids, text_config.hidden_size, torch_dtype, tp_size=tp_size,
             trust_remote_code=trust_remote_code, vllm_kwargs=vllm_kwargs,
             multiprocess=multiprocess, handoff=handoff, handoff_dir=handoff_dir,
+            **({"handoff_ring_bytes": handoff_ring_bytes} if handoff_ring_bytes else {}),
         )
         return cls(
             runner,

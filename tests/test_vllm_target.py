@@ -5,6 +5,8 @@ module-scoped multiprocess engines for the cases that need their own configurati
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.target_head import TargetHead
 from eagle_ray.target_runner import RunnerEagle3TargetModel, SelfCheckError
 from eagle_ray.testing import random_micro_batch
-from eagle_ray.vllm_handoff import SHM_DIR, FileHandoff, InProcessHandoff
+from eagle_ray.vllm_handoff import SHM_DIR, InProcessHandoff, ShmRingHandoff, ring_name
 from eagle_ray.vllm_target import VLLMEagle3TargetModel
 
 pytestmark = pytest.mark.slow
@@ -108,12 +110,15 @@ def test_repeated_calls_give_the_same_result_and_leave_nothing_behind(vllm_llama
     assert not runner.llm.llm_engine.engine_core.engine_core.scheduler.has_requests()
 
 
-def test_multiprocess_handoff_goes_through_shared_memory_and_cleans_up(vllm_qwen3):
+def test_multiprocess_handoff_goes_through_one_shared_memory_ring_and_cleans_up(vllm_qwen3):
     runner = vllm_qwen3.runner
-    assert isinstance(runner.handoff, FileHandoff) and runner.handoff.directory == SHM_DIR
-    vllm_qwen3.generate_batch(*random_micro_batch(vllm_qwen3.vocab_size, (5, 9)))
+    assert isinstance(runner.handoff, ShmRingHandoff) and runner.handoff.directory == SHM_DIR
+    first = vllm_qwen3.generate_batch(*random_micro_batch(vllm_qwen3.vocab_size, (5, 9)))
+    for _ in range(3):  # the ring's stretches are reused; results stay right
+        again = vllm_qwen3.generate_batch(*random_micro_batch(vllm_qwen3.vocab_size, (5, 9)))
+        assert torch.equal(again.aux_hidden_states, first.aux_hidden_states)
     leftovers = [f for f in os.listdir(SHM_DIR) if f.startswith(runner.key_prefix)]
-    assert leftovers == []
+    assert leftovers == [ring_name(runner.key_prefix)], "the ring alone, no request records"
 
 
 def test_embedding_and_head_come_from_the_checkpoint(vllm_llama, hf_llama):
@@ -125,9 +130,20 @@ def test_embedding_and_head_come_from_the_checkpoint(vllm_llama, hf_llama):
     assert torch.equal(head.norm.weight, reference.norm.weight)
 
 
-def test_explicit_aux_ids_equal_hf(llama_path, hf_llama):
+def test_explicit_aux_ids_equal_hf_and_a_killed_engines_ring_does_not_leak(llama_path,
+                                                                            hf_llama):
+    def ours():  # vLLM and torch keep their own entries there too
+        return {name for name in os.listdir(SHM_DIR) if name.startswith("eagle_ray-")}
+    before = ours()
+    # A replica SIGKILLed with its engine up leaves its ring (named with its pid) behind ...
+    subprocess.run([sys.executable, "-c", "import os; from eagle_ray.vllm_handoff import *; "
+                    "choose_handoff('shm', same_process=False, key_prefix='eagle_ray-killed-'); "
+                    "os.kill(os.getpid(), 9)"], check=False)
+    assert len(ours() - before) == 1
+    # ... and the next engine on the machine sweeps it.
     target = VLLMEagle3TargetModel.from_pretrained(llama_path, aux_layer_ids=[0, 2, 5],
                                                    dtype="float32", multiprocess=True)
+    assert ours() - before == {ring_name(target.runner.key_prefix)}
     try:
         reference_backend = HFEagle3TargetModel(hf_llama.model, aux_layer_ids=[0, 2, 5])
         batch_args = random_micro_batch(target.vocab_size, (10, 25))
@@ -136,6 +152,7 @@ def test_explicit_aux_ids_equal_hf(llama_path, hf_llama):
                                  hf_llama.get_target_head())
     finally:
         target.shutdown()
+    assert ours() - before == set(), "shutdown removes the ring"
 
 
 def test_tensor_parallel_two_equals_hf(llama_path, hf_llama):

@@ -127,33 +127,58 @@ def _call_with_window(replica, inputs: list, window: int) -> None:
         ray.get(done)
 
 
-def run_router(num_micro_batches: int = 400) -> None:
-    """Micro-batches/s through a zero-cost replica, and the router's lease latency."""
+@ray.remote(num_cpus=0)
+class _StreamingClient:
+    """A trainer stand-in for `run_router`: streams one small micro-batch `count` times."""
+
+    def __init__(self, pool_name: str, window: int) -> None:
+        from eagle_ray.pool import PoolClient
+
+        self.client = PoolClient.connect(pool_name, NAMESPACE,
+                                         ClientConfig(max_inflight_micro_batches=window))
+        self.batch = random_micro_batch(1024, (16,), seed=0)
+
+    def run(self, count: int, start_at: float) -> tuple[float, float]:
+        """(started, finished) wall-clock times of streaming `count` micro-batches."""
+        list(self.client.stream([self.batch] * 20))  # warm-up
+        time.sleep(max(0.0, start_at - time.time()))
+        started = time.time()
+        collections.deque(self.client.stream([self.batch] * count), 0)
+        return started, time.time()
+
+
+def run_router(clients: tuple[int, ...] = (1, 4, 16), seconds: float = 10.0) -> None:
+    """Micro-batches/s through zero-cost replicas from 1, 4, 16 clients at once (actors), and
+    the router's lease round trip measured from the driver while they stream."""
     _start_ray()
     pool = TargetPool.create(PoolConfig(backend=SYNTHETIC, name="bench-router", replicas=2,
                                         cpus_per_bundle=0.5, namespace=NAMESPACE,
+                                        replica_concurrency=8,
                                         max_outstanding_tokens_per_replica=1 << 30))
     try:
-        batches = [random_micro_batch(1024, (16,), seed=i) for i in range(num_micro_batches)]
-        client = pool.client(ClientConfig(max_inflight_micro_batches=32))
-        list(client.stream(batches[:20]))
-        start = time.perf_counter()
-        for _ in client.stream(batches):
-            pass
-        rate = num_micro_batches / (time.perf_counter() - start)
-        emit("router", "micro_batches_per_s", round(rate, 1), "1/s", replicas=2,
-             backend="zero-cost")
-        latencies = []
-        for i in range(300):
-            t0 = time.perf_counter()
-            name, _ = ray.get(pool.router.acquire.remote(i, 16, [], 10.0))
-            latencies.append(time.perf_counter() - t0)
-            ray.get(pool.router.release.remote(name, 16, True))
-        latencies.sort()
-        emit("router", "lease_latency_median", round(statistics.median(latencies) * 1e3, 3),
-             "ms")
-        emit("router", "lease_latency_p99", round(latencies[int(0.99 * len(latencies))] * 1e3, 3),
-             "ms")
+        rate_per_client = None
+        for n in clients:
+            actors = [_StreamingClient.remote("bench-router", 16) for _ in range(n)]
+            count = int(seconds * (rate_per_client or 200) / n) + 20
+            start_at = time.time() + 5.0
+            runs = [a.run.remote(count, start_at) for a in actors]
+            time.sleep(max(0.0, start_at - time.time()) + 0.5)
+            latencies = []
+            for i in range(200):
+                t0 = time.perf_counter()
+                name, _ = ray.get(pool.router.acquire.remote(i, 16, [], 10.0))
+                latencies.append(time.perf_counter() - t0)
+                ray.get(pool.router.release.remote(name, 16, True))
+            spans = ray.get(runs)
+            rate = n * count / (max(e for _, e in spans) - min(s for s, _ in spans))
+            rate_per_client = rate_per_client or rate
+            latencies.sort()
+            emit("router", "micro_batches_per_s", round(rate, 1), "1/s", clients=n,
+                 replicas=2, backend="zero-cost",
+                 lease_ms_median=round(statistics.median(latencies) * 1e3, 3),
+                 lease_ms_p99=round(latencies[int(0.99 * len(latencies))] * 1e3, 3))
+            for actor in actors:
+                ray.kill(actor)
     finally:
         pool.shutdown()
 

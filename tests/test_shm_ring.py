@@ -1,0 +1,100 @@
+"""The persistent shared-memory ring that hands captured states from vLLM's worker to the runner
+(`ShmRingHandoff`): zero-copy reads, reuse, overflow, and no leftovers. The engine around it is
+covered in test_vllm_target.py."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eagle_ray.vllm_handoff import (
+    ShmRingHandoff,
+    handoff_from_config,
+    handoff_key,
+    ring_name,
+    sweep_dead_rings,
+)
+
+PREFIX = handoff_key("testengine", "")
+
+
+@pytest.fixture
+def ring(tmp_path):
+    """(reader, writer) over one ring of 64 KiB, as the runner and the connector hold it."""
+    reader = ShmRingHandoff(str(tmp_path / ring_name(PREFIX)), 64 * 1024, create=True)
+    writer = handoff_from_config(reader.to_config())
+    return reader, writer
+
+
+def states(seed, tokens=16, dtype=torch.bfloat16):
+    """[tokens, 4, 64] states: 8 KiB in bf16."""
+    return torch.randn(tokens, 4, 64, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def offset_of(reader, view):
+    return view.data_ptr() - reader._buffer.ctypes.data
+
+
+def test_taken_states_are_views_of_the_ring_and_their_stretch_is_reused(ring):
+    reader, writer = ring
+    sent = {f"{PREFIX}{i}": states(i) for i in range(3)}
+    for key, value in sent.items():
+        writer.publish(key, value)
+    taken = {key: reader.take(key, tuple(v.shape), v.dtype) for key, v in
+             reversed(sent.items())}  # out of order
+    for key, value in sent.items():
+        assert torch.equal(taken[key], value)
+        assert 0 <= offset_of(reader, taken[key]) < reader.capacity, "a view of the ring"
+    assert reader.take(f"{PREFIX}0", (16, 4, 64), torch.bfloat16) is None, "taken once"
+    first = offset_of(reader, taken[f"{PREFIX}0"])
+    del taken, value
+    assert reader.keys(f"{PREFIX}0") == [], "dropping the views frees their records"
+    writer.publish(f"{PREFIX}9", states(9))
+    assert offset_of(reader, reader.take(f"{PREFIX}9", (16, 4, 64), torch.bfloat16)) == first
+
+
+def test_a_derived_view_keeps_its_stretch_until_it_is_dropped(ring):
+    reader, writer = ring
+    writer.publish(f"{PREFIX}0", states(0))
+    view = reader.take(f"{PREFIX}0", (16, 4, 64), torch.bfloat16)
+    part = view[:, :3]
+    del view
+    assert reader.keys(f"{PREFIX}0") == [f"{PREFIX}0.taken"], "still read through `part`"
+    del part
+    assert reader.keys(f"{PREFIX}0") == []
+
+
+def test_a_full_ring_overflows_to_a_file_instead_of_waiting(ring):
+    reader, writer = ring
+    held = []
+    for i in range(8):  # 8 x 8 KiB fill the 64 KiB ring
+        writer.publish(f"{PREFIX}{i}", states(i))
+        held.append(reader.take(f"{PREFIX}{i}", (16, 4, 64), torch.bfloat16))
+    writer.publish(f"{PREFIX}full", states(8))
+    assert sorted(reader.keys(f"{PREFIX}full")) == [f"{PREFIX}full", f"{PREFIX}full.data"]
+    big = states(9, tokens=300)  # larger than the whole ring
+    writer.publish(f"{PREFIX}big", big)
+    assert torch.equal(reader.take(f"{PREFIX}full", (16, 4, 64), torch.bfloat16), states(8))
+    assert torch.equal(reader.take(f"{PREFIX}big", tuple(big.shape), big.dtype), big)
+    assert reader.keys(f"{PREFIX}full") == reader.keys(f"{PREFIX}big") == []
+    held.pop(0)  # the oldest stretch comes free: the next one fits there again (wrap-around)
+    writer.publish(f"{PREFIX}again", states(10))
+    again = reader.take(f"{PREFIX}again", (16, 4, 64), torch.bfloat16)
+    assert offset_of(reader, again) == 0 and torch.equal(again, states(10))
+
+
+def test_discard_and_the_sweep_of_dead_owners_leave_nothing(ring, tmp_path):
+    reader, writer = ring
+    writer.publish(f"{PREFIX}0", states(0, dtype=torch.float32))
+    assert reader.discard(f"{PREFIX}0") == 1
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    orphan_prefix = handoff_key("killedengine", "")
+    orphan = ShmRingHandoff(str(tmp_path / ring_name(orphan_prefix, int(dead.stdout))), 4096,
+                            create=True)
+    orphan.publish(f"{orphan_prefix}7", states(7, tokens=2))
+    assert sweep_dead_rings(str(tmp_path)) == [ring_name(orphan_prefix, int(dead.stdout))]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ring_name(PREFIX)], \
+        "the live engine's ring stays, the dead one's ring and records go"
+    assert reader.discard(PREFIX) == 1 and list(tmp_path.iterdir()) == []
