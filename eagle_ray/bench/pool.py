@@ -49,15 +49,17 @@ def run_overhead(model_path: str, shapes: list[tuple[int, int]], rounds: int = 3
                  clients: int = 4) -> None:
     """Pool with one vLLM replica vs the same backend in this process, same micro-batches; and
     `clients` clients at once vs the in-process engine handed `clients` micro-batches as one
-    call (the most the replica's merging can give)."""
+    call (the most the replica's merging can give). `serial` paths: a replica that takes one
+    micro-batch at a time (`replica_concurrency: 1`, the design before merging), side by side."""
     from eagle_ray.vllm_target import VLLMEagle3TargetModel
 
     _start_ray()
-    # The replica gets this machine's cores, as the in-process engine does (Ray sets the
+    # The replicas get this machine's cores, as the in-process engine does (Ray sets the
     # actor's OMP_NUM_THREADS from its CPUs).
-    pool = TargetPool.create(PoolConfig(model_path=model_path, dtype="float32",
-                                        cpus_per_bundle=float(os.cpu_count() or 1),
-                                        name="bench-overhead", namespace=NAMESPACE))
+    pool, serial = (TargetPool.create(PoolConfig(
+        model_path=model_path, dtype="float32", cpus_per_bundle=float(os.cpu_count() or 1),
+        name=name, namespace=NAMESPACE, replica_concurrency=concurrency))
+        for name, concurrency in (("bench-overhead", 4), ("bench-overhead-serial", 1)))
     direct = VLLMEagle3TargetModel.from_pretrained(model_path, dtype="float32")
     replica = ray.get_actor(pool.config.replica_name(0), namespace=pool.config.namespace)
     try:
@@ -69,14 +71,14 @@ def run_overhead(model_path: str, shapes: list[tuple[int, int]], rounds: int = 3
             merged = [merge_micro_batches(batches[i:i + clients])
                       for i in range(0, len(batches), clients)]
             busy: dict[str, list[float]] = {"pool_1_replica": [], f"pool_{clients}_clients": []}
-            rates: dict[str, list[float]] = {
-                "in_process": [], "pool_1_replica": [], "replica_calls_only": [],
-                f"in_process_{clients}_merged": [], f"pool_{clients}_clients": []}
+            rates: dict[str, list[float]] = collections.defaultdict(list)
             for _ in range(rounds):  # interleaved, so drift hits all paths alike
                 for path, n in (("pool_1_replica", 1), (f"pool_{clients}_clients", clients)):
                     with _engine_busy(replica) as share:
                         rates[path].append(_stream_rate(pool, batches, window=4, clients=n))
                     busy[path].append(share[0])
+                    rates[f"{path}_serial"].append(_stream_rate(serial, batches, window=4,
+                                                                clients=n))
                 start = time.perf_counter()
                 for b in batches:
                     direct.generate_batch(*b)
@@ -93,8 +95,8 @@ def run_overhead(model_path: str, shapes: list[tuple[int, int]], rounds: int = 3
                 rates["replica_calls_only"].append(tokens / (time.perf_counter() - start))
             best = {path: max(values) for path, values in rates.items()}
             for path, rate in best.items():
-                baseline = (f"in_process_{clients}_merged" if path == f"pool_{clients}_clients"
-                            else "in_process")
+                baseline = (f"in_process_{clients}_merged"
+                            if path.startswith(f"pool_{clients}_clients") else "in_process")
                 emit("pool", "supervision_tokens_per_s", round(rate, 1), "tok/s", path=path,
                      batch=batch, seq=seq, baseline=baseline,
                      ratio=round(rate / best[baseline], 3),
@@ -103,6 +105,7 @@ def run_overhead(model_path: str, shapes: list[tuple[int, int]], rounds: int = 3
     finally:
         direct.shutdown()
         pool.shutdown()
+        serial.shutdown()
 
 
 @contextlib.contextmanager

@@ -1,10 +1,11 @@
 """The client a draft-training worker uses to get supervision from the pool.
 
 Per micro-batch: validate here (before anything travels), put the inputs in the object store once,
-ask the router for a lease, call the leased replica directly, and read the result from the object
-store. The client owns every result, so it survives a router restart; it re-runs a micro-batch on
-another replica when its replica dies, times out or reports an engine error, and drops late
-duplicates. Results come back in submission order, exactly once.
+get a lease from the router (asked and reported in batches, `router_link`), call the leased
+replica directly, and read the result from the object store. The client owns every result, so it
+survives a router restart; it re-runs a micro-batch on another replica when its replica dies,
+times out or reports an engine error, and drops late duplicates. Results come back in submission
+order, exactly once.
 
 Example:
     >>> client = PoolClient.connect("eagle_ray_pool", namespace="eagle_ray")  # doctest: +SKIP
@@ -24,20 +25,19 @@ from typing import Any
 
 import ray
 import torch
-from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from eagle_ray.config.pool import ClientConfig, PoolConfig
+from eagle_ray.config.pool import ClientConfig
 from eagle_ray.pool.failures import FailureKind, classify
 from eagle_ray.pool.inflight import InFlightMicroBatch
 from eagle_ray.pool.router import NoReplicaAvailable
+from eagle_ray.pool.router_link import ROUTER_RETRY_S, RouterLink, RouterUnavailable
 from eagle_ray.pool.states import MicroBatchPhase
 from eagle_ray.target_batch import Eagle3TargetBatch, validate_micro_batch, validate_prompts
 from eagle_ray.target_runner import Sampling
 
 logger = logging.getLogger(__name__)
 
-ROUTER_RETRY_S = 0.5  # pause before asking a restarting router again
 MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -53,21 +53,17 @@ class PoolClient:
     with `PoolClient.connect` (or `TargetPool.client()`), not directly.
 
     Args:
-        router: the pool's router actor.
+        router: the link to the pool's router (`RouterLink.connect`).
         target_info: what a replica reported (`vocab_size`, `max_length`), to validate inputs.
         config: flow control and retries (`ClientConfig`).
-        router_name: the router's actor name, to find it again after it restarts.
-        namespace: the pool's Ray namespace.
     """
 
-    def __init__(self, router: ActorHandle, target_info: dict[str, Any],
-                 config: ClientConfig | None = None, router_name: str | None = None,
-                 namespace: str | None = None) -> None:
+    def __init__(self, router: RouterLink, target_info: dict[str, Any],
+                 config: ClientConfig | None = None) -> None:
         self._router = router
-        self._router_name, self._namespace = router_name, namespace
         self.config = config or ClientConfig()
         self.vocab_size = int(target_info["vocab_size"])
-        self.node_id = ray.get_runtime_context().get_node_id()  # for locality-aware leases
+        self.node_id = router.node_id
         self.max_length = target_info.get("max_length")
         self._ids = itertools.count()
         self._inflight: collections.OrderedDict[int, InFlightMicroBatch] = collections.OrderedDict()
@@ -89,30 +85,12 @@ class PoolClient:
             namespace: the pool's Ray namespace (`PoolConfig.namespace`).
             config: flow control and retries; None: `ClientConfig()` defaults.
         """
-        router_name = PoolConfig(name=pool_name, namespace=namespace).router_name
         config = config or ClientConfig()
-        deadline = time.monotonic() + config.lease_timeout_s
-        unavailable = 0
-        while True:
-            try:
-                router = ray.get_actor(router_name, namespace=namespace)
-            except ValueError:
-                raise ValueError(f"no eagle_ray pool named {pool_name!r} in namespace "
-                                 f"{namespace!r}; start one with `eagle-ray serve` or "
-                                 f"TargetPool.create") from None
-            try:
-                info = ray.get(router.target_info.remote(config.lease_timeout_s),
-                               timeout=max(deadline - time.monotonic(), 1.0))
-                break
-            except RayActorError as e:  # the router is restarting: wait for it
-                unavailable += 1
-                if time.monotonic() > deadline:
-                    raise MicroBatchFailed(f"the router of pool {pool_name!r} stayed unavailable "
-                                           f"for {config.lease_timeout_s:.0f}s: {e}") from e
-                logger.warning("router of pool %r unavailable (%s); retrying", pool_name,
-                               type(e).__name__)
-                time.sleep(ROUTER_RETRY_S)
-        client = cls(router, info, config, router_name, namespace)
+        try:
+            link, info, unavailable = RouterLink.connect(pool_name, namespace, config)
+        except RouterUnavailable as e:
+            raise MicroBatchFailed(str(e)) from e
+        client = cls(link, info, config)
         client.stats["router_retries"] = unavailable
         return client
 
@@ -121,6 +99,13 @@ class PoolClient:
     def submit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                loss_mask: torch.Tensor | None = None) -> int:
         """Queue one micro-batch; returns its id. Bad input raises here, before it travels."""
+        micro_batch_id = self._queue(input_ids, attention_mask, loss_mask)
+        self._ask_for_leases()
+        return micro_batch_id
+
+    def _queue(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               loss_mask: torch.Tensor | None) -> int:
+        """`submit` without asking the router yet (`stream` asks for a window at once)."""
         self._raise_fatal()
         if loss_mask is None:
             loss_mask = attention_mask
@@ -149,8 +134,11 @@ class PoolClient:
                          max_new_tokens=sampling.max_new_tokens)
         num_tokens = sum(map(len, prompts)) + len(prompts) * sampling.max_new_tokens
         self._wait_for_room(num_tokens)
-        return self._enqueue(ray.put(([list(p) for p in prompts], dataclasses.asdict(sampling))),
-                             num_tokens, method="complete", decode=list)
+        request_id = self._enqueue(ray.put(([list(p) for p in prompts],
+                                             dataclasses.asdict(sampling))),
+                                   num_tokens, method="complete", decode=list)
+        self._ask_for_leases()
+        return request_id
 
     def next_result(self) -> tuple[int, Eagle3TargetBatch]:
         """The oldest submitted micro-batch's supervision (blocks until it is ready)."""
@@ -183,8 +171,9 @@ class PoolClient:
         upcoming = next(source, None)  # the next micro-batch, submitted once the window has room
         while True:
             while upcoming is not None and self._has_room(int(upcoming[1].sum())):
-                self.submit(*upcoming)
+                self._queue(*upcoming)
                 upcoming = next(source, None)
+            self._ask_for_leases()  # one call for every micro-batch just queued
             if not self._inflight:
                 return
             yield self.next_result()[1]
@@ -216,26 +205,39 @@ class PoolClient:
     # ------------------------------------------------------------------ the state machine
 
     def _lease(self, item: InFlightMicroBatch) -> None:
-        """Ask the router for a replica, avoiding those this micro-batch already failed on."""
-        item.phase = MicroBatchPhase.LEASING
-        item.lease_ref = self._router.acquire.remote(
-            item.micro_batch_id, item.num_tokens, item.failed_on, self.config.lease_timeout_s,
-            self.node_id)
+        """Mark it as needing a replica; the next round asks the router for every such one in
+        one call (avoiding the replicas each already failed on)."""
+        item.phase, item.lease_ref = MicroBatchPhase.LEASING, None
+
+    def _ask_for_leases(self) -> None:
+        """One router call for every micro-batch waiting to be asked for."""
+        self._router.ask([i for i in self._inflight.values()
+                          if i.phase is MicroBatchPhase.LEASING and i.lease_ref is None],
+                         self.config.lease_timeout_s)
 
     def _pump(self, timeout: float) -> None:
-        """Advance every in-flight micro-batch whose lease or result is ready."""
+        """Advance every in-flight micro-batch whose leases or result are ready; ask for leases
+        and report finished ones to the router in one call each."""
+        try:
+            self._advance(timeout)
+        finally:
+            self._router.flush()
+
+    def _advance(self, timeout: float) -> None:
         now = time.monotonic()
-        waiting: dict[ray.ObjectRef, InFlightMicroBatch] = {}
         for item in self._inflight.values():
             if item.phase is MicroBatchPhase.BACKOFF and now >= item.retry_lease_at:
                 self._lease(item)
             if item.phase is MicroBatchPhase.RUNNING and now > item.deadline:
                 self._attempt_failed(item, f"timed out after {self.config.timeout_s:.0f}s",
                                      replica_died=False, cancel=True)
+        self._ask_for_leases()
+        waiting: dict[ray.ObjectRef, list[InFlightMicroBatch]] = collections.defaultdict(list)
+        for item in self._inflight.values():
             if item.phase is MicroBatchPhase.LEASING:
-                waiting[item.lease_ref] = item
+                waiting[item.lease_ref].append(item)
             elif item.phase is MicroBatchPhase.RUNNING:
-                waiting[item.result_ref] = item
+                waiting[item.result_ref].append(item)
         if not waiting:
             time.sleep(min(timeout, ROUTER_RETRY_S))
             return
@@ -243,36 +245,42 @@ class PoolClient:
         if ready:
             ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=0)
         for ref in ready:
-            item = waiting[ref]
-            if item.phase is MicroBatchPhase.LEASING:
-                self._on_lease(item)
+            items = waiting[ref]
+            if items[0].phase is MicroBatchPhase.LEASING:
+                self._on_leases(ref, items)
             else:
-                self._on_result(item)
+                self._on_result(items[0])
 
-    def _on_lease(self, item: InFlightMicroBatch) -> None:
-        lease_ref, item.lease_ref = item.lease_ref, None
+    def _on_leases(self, ref: ray.ObjectRef, items: list[InFlightMicroBatch]) -> None:
+        for item in items:
+            item.lease_ref = None  # not granted: asked again next round
         try:
-            replica, handle = ray.get(lease_ref)
+            grants = ray.get(ref)
         except RayActorError:
             # The router is restarting (or was replaced): ask again shortly.
-            logger.warning("router unreachable; retrying lease for micro-batch %d",
-                           item.micro_batch_id)
+            logger.warning("router unreachable; retrying leases for %d micro-batch(es)",
+                           len(items))
             self.stats["router_retries"] += 1
-            item.phase = MicroBatchPhase.BACKOFF
-            item.retry_lease_at = time.monotonic() + ROUTER_RETRY_S
-            self._reconnect_router()
+            for item in items:
+                item.phase = MicroBatchPhase.BACKOFF
+                item.retry_lease_at = time.monotonic() + ROUTER_RETRY_S
+            self._router.reconnect()
             return
         except RayTaskError as e:
             cause = e.as_instanceof_cause()
             if isinstance(cause, NoReplicaAvailable):
-                item.fail(MicroBatchFailed(str(cause)))
+                for item in items:
+                    item.fail(MicroBatchFailed(str(cause)))
                 return
             raise
-        item.phase = MicroBatchPhase.RUNNING
-        item.replica = replica
-        item.attempts += 1
-        item.deadline = time.monotonic() + self.config.timeout_s
-        item.result_ref = getattr(handle, item.method).remote(item.micro_batch_id, item.inputs)
+        for item, grant in zip(items, grants, strict=True):
+            if grant is None:
+                continue
+            item.phase, (item.replica, handle) = MicroBatchPhase.RUNNING, grant
+            item.attempts += 1
+            item.deadline = time.monotonic() + self.config.timeout_s
+            item.result_ref = getattr(handle, item.method).remote(item.micro_batch_id,
+                                                                  item.inputs)
 
     def _on_result(self, item: InFlightMicroBatch) -> None:
         try:
@@ -326,15 +334,4 @@ class PoolClient:
             raise self._fatal
 
     def _release(self, item: InFlightMicroBatch, ok: bool, replica_died: bool = False) -> None:
-        try:
-            self._router.release.remote(item.replica, item.num_tokens, ok, replica_died)
-        except RayActorError:
-            pass  # a restarted router starts counting afresh
-
-    def _reconnect_router(self) -> None:
-        if self._router_name is None:
-            return
-        try:
-            self._router = ray.get_actor(self._router_name, namespace=self._namespace)
-        except ValueError:
-            pass  # not back yet
+        self._router.release(item.replica, item.num_tokens, ok, replica_died)

@@ -1,16 +1,16 @@
 """The router actor: decides which replica serves each micro-batch; carries no tensor bytes.
 
-A client asks for a *lease* (`acquire`), calls the named replica itself, and reports back
-(`release`). Results therefore belong to the client, and a router restart loses none of them. The
-router balances by outstanding *tokens* (micro-batches differ in length), caps them per replica
-(backpressure), and keeps a registry of replicas that it can rebuild from their actor names after a
-restart.
+A client asks for *leases* (`acquire_many`: every micro-batch it has waiting, in one call), calls
+the named replicas itself, and reports back (`release_many`, one call per client round), so the
+router handles a fraction of a call per micro-batch. Results therefore belong to the client, and
+a router restart loses none of them. The router balances by outstanding *tokens* (micro-batches
+differ in length), caps them per replica (backpressure), and keeps a registry of replicas that it
+can rebuild from their actor names after a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -20,6 +20,7 @@ import psutil
 import ray
 from ray.actor import ActorHandle
 
+from eagle_ray.pool.replica_record import ReplicaRecord
 from eagle_ray.pool.routing import choose_replica
 from eagle_ray.pool.states import ReplicaState
 from eagle_ray.pool.telemetry import RouterMetrics
@@ -37,51 +38,6 @@ class NoReplicaAvailable(RuntimeError):
     """No replica could take a micro-batch in time; the message lists the replicas' states."""
 
 
-@dataclasses.dataclass
-class _Replica:
-    """The router's record of one replica (its load, health and history)."""
-
-    name: str
-    handle: ActorHandle
-    state: ReplicaState = ReplicaState.STARTING  # -> READY <-> SUSPECT; DRAINING when removed
-    outstanding_tokens: int = 0
-    outstanding_micro_batches: int = 0
-    peak_outstanding_tokens: int = 0
-    served_tokens: int = 0
-    served_micro_batches: int = 0
-    leases: int = 0
-    on_node_leases: int = 0  # leases to a client on this replica's node (README, "Locality")
-    errors: int = 0
-    restarts: int = 0
-    pid: int | None = None
-    node_id: str | None = None
-    first_served_at: float | None = None
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
-    probing: bool = False
-    named: bool = False  # seen among the named actors (a just-created one may not be yet)
-
-    def tokens_per_s(self) -> float:
-        if self.first_served_at is None:
-            return 0.0
-        return self.served_tokens / max(time.monotonic() - self.first_served_at, 1e-6)
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "state": self.state.value,
-            "outstanding_tokens": self.outstanding_tokens,
-            "outstanding_micro_batches": self.outstanding_micro_batches,
-            "peak_outstanding_tokens": self.peak_outstanding_tokens,
-            "served_tokens": self.served_tokens,
-            "served_micro_batches": self.served_micro_batches,
-            "tokens_per_s": round(self.tokens_per_s(), 1),
-            "on_node_share": round(self.on_node_leases / self.leases, 3) if self.leases else None,
-            "errors": self.errors,
-            "restarts": self.restarts,
-            "node_id": self.node_id,
-            "pid": self.pid,
-        }
-
-
 class PoolRouter:
     """Async Ray actor; see the module docstring. Created by `TargetPool`, named
     `<pool name>-router` in the pool's namespace."""
@@ -92,7 +48,7 @@ class PoolRouter:
         self._namespace = namespace
         self._max_tokens = max_outstanding_tokens_per_replica
         self._locality = locality
-        self._replicas: dict[str, _Replica] = {}  # name -> state
+        self._replicas: dict[str, ReplicaRecord] = {}  # name -> state
         self._removed: set[str] = set()  # names dropped on purpose; discovery skips them
         self._changed = asyncio.Condition()  # notified whenever capacity or membership changes
         self._leases = 0
@@ -109,7 +65,7 @@ class PoolRouter:
         self._removed.discard(name)
         if name not in self._replicas:
             handle = handle or ray.get_actor(name, namespace=self._namespace)
-            self._replicas[name] = _Replica(name, handle)
+            self._replicas[name] = ReplicaRecord(name, handle)
             self._probe_soon(self._replicas[name])
 
     async def remove_replica(self, name: str, drain: bool = True,
@@ -163,12 +119,12 @@ class PoolRouter:
                 logger.exception("replica discovery failed")
             await asyncio.sleep(DISCOVERY_PERIOD_S)
 
-    def _probe_soon(self, replica: _Replica) -> None:
+    def _probe_soon(self, replica: ReplicaRecord) -> None:
         if not replica.probing:
             replica.probing = True
             asyncio.get_event_loop().create_task(self._probe(replica))
 
-    async def _probe(self, replica: _Replica) -> None:
+    async def _probe(self, replica: ReplicaRecord) -> None:
         """Wait for a replica's `ready()`; a new pid means the actor was restarted."""
         answer = asyncio.ensure_future(replica.handle.ready.remote())
         try:
@@ -203,41 +159,40 @@ class PoolRouter:
     async def acquire(self, micro_batch_id: int, num_tokens: int, avoid: list[str],
                       timeout_s: float, client_node: str | None = None,
                       ) -> tuple[str, ActorHandle]:
-        """Lease a replica for one micro-batch (`routing.choose_replica` decides which, preferring
-        `client_node` when locality is on), waiting for capacity (backpressure) up to
-        `timeout_s`."""
+        """Lease a replica for one micro-batch (`acquire_many` with one request)."""
+        grants = await self.acquire_many([(micro_batch_id, num_tokens, avoid)], timeout_s,
+                                         client_node)
+        return grants[0]
+
+    async def acquire_many(self, requests: list[tuple[int, int, list[str]]], timeout_s: float,
+                           client_node: str | None = None,
+                           ) -> list[tuple[str, ActorHandle] | None]:
+        """Leases for a client's waiting micro-batches `(id, tokens, replicas to avoid)`, in one
+        call: waits (backpressure, up to `timeout_s`) until the first can be granted, then grants
+        every other one that fits now; None for the rest (the client asks again). Each is chosen
+        by `routing.choose_replica`, preferring `client_node` when locality is on."""
         started = time.monotonic()
-        deadline = started + timeout_s
+        waiting = sum(tokens for _, tokens, _ in requests)
         async with self._changed:
+            self._waiting_tokens += waiting
             try:
-                self._waiting_tokens += num_tokens
-                return await self._grant(micro_batch_id, num_tokens, avoid, timeout_s,
-                                         client_node, deadline)
+                first = await self._grant(*requests[0], timeout_s, client_node,
+                                          started + timeout_s)
+                return [first] + [self._try_grant(tokens, avoid, client_node)
+                                  for _, tokens, avoid in requests[1:]]
             finally:
-                self._waiting_tokens -= num_tokens
+                self._waiting_tokens -= waiting
                 self._metrics.lease_wait.observe(time.monotonic() - started,
                                                  tags={"pool": self._metrics.pool})
 
     async def _grant(self, micro_batch_id: int, num_tokens: int, avoid: list[str],
                      timeout_s: float, client_node: str | None,
                      deadline: float) -> tuple[str, ActorHandle]:
-        """`acquire`'s wait for a replica with room (holding `self._changed`)."""
+        """Wait (holding `self._changed`) for a replica with room for one micro-batch."""
         while True:
-            replica = choose_replica(self._replicas.values(), num_tokens, set(avoid),
-                                     self._max_tokens,
-                                     client_node if self._locality else None)
-            if replica is not None:
-                replica.outstanding_tokens += num_tokens
-                replica.outstanding_micro_batches += 1
-                replica.leases += 1
-                if client_node is not None and client_node == replica.node_id:
-                    replica.on_node_leases += 1
-                replica.peak_outstanding_tokens = max(replica.peak_outstanding_tokens,
-                                                      replica.outstanding_tokens)
-                self._leases += 1
-                self._metrics.outstanding.set(replica.outstanding_tokens,
-                                              tags=self._metrics.replica(replica.name))
-                return replica.name, replica.handle
+            grant = self._try_grant(num_tokens, avoid, client_node)
+            if grant is not None:
+                return grant
             if not await self._wait_for_change(deadline):
                 raise NoReplicaAvailable(
                     f"no replica accepted micro-batch {micro_batch_id} ({num_tokens} tokens) "
@@ -245,6 +200,25 @@ class PoolRouter:
                     f"{ {n: r.state.value for n, r in self._replicas.items()} or 'none'}"
                     f"{'; already failed on ' + str(sorted(avoid)) if avoid else ''}"
                 )
+
+    def _try_grant(self, num_tokens: int, avoid: list[str], client_node: str | None
+                   ) -> tuple[str, ActorHandle] | None:
+        """Lease the replica the policy chooses now, or None when none has room."""
+        replica = choose_replica(self._replicas.values(), num_tokens, set(avoid),
+                                 self._max_tokens, client_node if self._locality else None)
+        if replica is None:
+            return None
+        replica.outstanding_tokens += num_tokens
+        replica.outstanding_micro_batches += 1
+        replica.leases += 1
+        if client_node is not None and client_node == replica.node_id:
+            replica.on_node_leases += 1
+        replica.peak_outstanding_tokens = max(replica.peak_outstanding_tokens,
+                                              replica.outstanding_tokens)
+        self._leases += 1
+        self._metrics.outstanding.set(replica.outstanding_tokens,
+                                      tags=self._metrics.replica(replica.name))
+        return replica.name, replica.handle
 
     async def _wait_for_change(self, deadline: float) -> bool:
         """Wait (holding `self._changed`) for a capacity or membership change, at most a second
@@ -261,25 +235,34 @@ class PoolRouter:
     async def release(self, name: str, num_tokens: int, ok: bool,
                       replica_died: bool = False) -> None:
         """Called by the client when a leased micro-batch finished, failed or timed out."""
-        replica = self._replicas.get(name)
-        if replica is not None:
-            replica.outstanding_tokens = max(0, replica.outstanding_tokens - num_tokens)
-            replica.outstanding_micro_batches = max(0, replica.outstanding_micro_batches - 1)
-            self._metrics.outstanding.set(replica.outstanding_tokens,
-                                          tags=self._metrics.replica(name))
-            if ok:
-                replica.served_tokens += num_tokens
-                replica.served_micro_batches += 1
-                replica.first_served_at = replica.first_served_at or time.monotonic()
-                self._metrics.served.inc(num_tokens, tags=self._metrics.replica(name))
-            else:
-                replica.errors += 1
-                self._metrics.errors.inc(tags=self._metrics.replica(name))
-                if replica_died and replica.state is ReplicaState.READY:
-                    replica.state = ReplicaState.SUSPECT
-                    self._probe_soon(replica)
+        await self.release_many([(name, num_tokens, ok, replica_died)])
+
+    async def release_many(self, reports: list[tuple[str, int, bool, bool]]) -> None:
+        """A client's finished leases `(replica, tokens, ok, replica died)`, in one call."""
+        for name, num_tokens, ok, replica_died in reports:
+            self._release(name, num_tokens, ok, replica_died)
         async with self._changed:
             self._changed.notify_all()
+
+    def _release(self, name: str, num_tokens: int, ok: bool, replica_died: bool) -> None:
+        replica = self._replicas.get(name)
+        if replica is None:
+            return
+        replica.outstanding_tokens = max(0, replica.outstanding_tokens - num_tokens)
+        replica.outstanding_micro_batches = max(0, replica.outstanding_micro_batches - 1)
+        self._metrics.outstanding.set(replica.outstanding_tokens,
+                                      tags=self._metrics.replica(name))
+        if ok:
+            replica.served_tokens += num_tokens
+            replica.served_micro_batches += 1
+            replica.first_served_at = replica.first_served_at or time.monotonic()
+            self._metrics.served.inc(num_tokens, tags=self._metrics.replica(name))
+        else:
+            replica.errors += 1
+            self._metrics.errors.inc(tags=self._metrics.replica(name))
+            if replica_died and replica.state is ReplicaState.READY:
+                replica.state = ReplicaState.SUSPECT
+                self._probe_soon(replica)
 
     # ------------------------------------------------------------------ status
 

@@ -1,0 +1,57 @@
+"""The router's record of one replica: its state, load, health and history (what `status()`
+shows and the routing policy reads)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from ray.actor import ActorHandle
+
+from eagle_ray.pool.states import ReplicaState
+
+
+@dataclasses.dataclass
+class ReplicaRecord:
+    """The router's record of one replica (its load, health and history)."""
+
+    name: str
+    handle: ActorHandle
+    state: ReplicaState = ReplicaState.STARTING  # -> READY <-> SUSPECT; DRAINING when removed
+    outstanding_tokens: int = 0
+    outstanding_micro_batches: int = 0
+    peak_outstanding_tokens: int = 0
+    served_tokens: int = 0
+    served_micro_batches: int = 0
+    leases: int = 0
+    on_node_leases: int = 0  # leases to a client on this replica's node (README, "Locality")
+    errors: int = 0
+    restarts: int = 0
+    pid: int | None = None
+    node_id: str | None = None
+    first_served_at: float | None = None
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    probing: bool = False
+    named: bool = False  # seen among the named actors (a just-created one may not be yet)
+
+    def tokens_per_s(self) -> float:
+        if self.first_served_at is None:
+            return 0.0
+        return self.served_tokens / max(time.monotonic() - self.first_served_at, 1e-6)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "outstanding_tokens": self.outstanding_tokens,
+            "outstanding_micro_batches": self.outstanding_micro_batches,
+            "peak_outstanding_tokens": self.peak_outstanding_tokens,
+            "served_tokens": self.served_tokens,
+            "served_micro_batches": self.served_micro_batches,
+            "tokens_per_s": round(self.tokens_per_s(), 1),
+            "on_node_share": round(self.on_node_leases / self.leases, 3) if self.leases else None,
+            "errors": self.errors,
+            "restarts": self.restarts,
+            "node_id": self.node_id,
+            "pid": self.pid,
+        }
