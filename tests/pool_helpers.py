@@ -84,5 +84,9 @@ def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition") -> N
         time.sleep(0.1)
 
 
+def replica_handle(pool: TargetPool, index: int):
+    return ray.get_actor(pool.config.replica_name(index), namespace=pool.config.namespace)
+
+
 def replica_status(pool: TargetPool, index: int) -> dict:
     return pool.status()["replicas"][pool.config.replica_name(index)]

@@ -21,6 +21,7 @@ from pool_helpers import (
     TrainerStandIn,
     is_correct,
     micro_batches,
+    replica_handle,
     synthetic_pool,
     wait_until,
 )
@@ -89,25 +90,29 @@ def test_replicas_pack_on_one_node_each_and_an_unfitting_one_waits(cluster):
         pool.shutdown()
 
 
-def test_removing_a_node_with_replicas_loses_no_micro_batch(cluster):
+def test_removing_a_node_with_replicas_loses_no_micro_batch(cluster, tmp_path):
     doomed = gpu_node(cluster)
     cluster.wait_for_nodes()
+    gate = tmp_path / "hold"
+    gate.touch()
     pool = synthetic_pool("node-loss", replicas=2, use_gpu=True, cpus_per_bundle=0.5,
-                          backend_kwargs={"seconds_per_call": 0.05})
+                          backend_kwargs={"hold_while": str(gate)})
     try:
         # The training actors live on the head: only the target replicas' node goes away.
         trainers = [TrainerStandIn.options(resources={"head": 1}).remote("node-loss")
                     for _ in range(2)]
         runs = [t.run.remote(60, seed=30 + s) for s, t in enumerate(trainers)]
-        # Once work is flowing, every client's window holds leases on the doomed replicas.
-        wait_until(lambda: sum(r["served_micro_batches"]
-                               for r in pool.status()["replicas"].values()) >= 3)
+        # Calls are held on both doomed replicas when their node goes.
+        wait_until(lambda: all(ray.get(replica_handle(pool, i).ready.remote(),
+                                       timeout=TIMEOUT_S)["engine"]["inside"] >= 1
+                               for i in range(2)), what="micro-batches on both replicas")
         gpu_node(cluster)  # where the replicas can be rescheduled
         cluster.remove_node(doomed)
+        gate.unlink()
         results = ray.get(runs, timeout=TIMEOUT_S)
         for result in results:
             assert len(result["correct"]) == 60 and all(result["correct"])
-        assert sum(r["stats"]["retries"] for r in results) >= 1, "calls in flight were re-run"
+        assert sum(r["stats"]["retries"] for r in results) >= 2, "calls in flight were re-run"
         pool.wait_ready(2, timeout_s=120)
         for index in range(2):
             state, bundle_nodes = replica_placement(pool.config.replica_name(index))

@@ -29,6 +29,7 @@ from pool_helpers import (
     TrainerStandIn,
     is_correct,
     micro_batches,
+    replica_handle,
     replica_status,
     synthetic_pool,
     wait_until,
@@ -51,10 +52,6 @@ def gate(tmp_path):
     path = tmp_path / "hold"
     path.touch()
     return path
-
-
-def replica_handle(pool, index):
-    return ray.get_actor(pool.config.replica_name(index), namespace=pool.config.namespace)
 
 
 def test_results_match_inputs_in_order_and_both_replicas_work():

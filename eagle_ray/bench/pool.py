@@ -166,6 +166,7 @@ def run_router(clients: tuple[int, ...] = (1, 4, 16), seconds: float = 10.0) -> 
             start_at = time.time() + 5.0
             runs = [a.run.remote(count, start_at) for a in actors]
             time.sleep(max(0.0, start_at - time.time()) + 0.5)
+            before = pool.status()
             latencies = []
             for i in range(200):
                 t0 = time.perf_counter()
@@ -173,13 +174,18 @@ def run_router(clients: tuple[int, ...] = (1, 4, 16), seconds: float = 10.0) -> 
                 latencies.append(time.perf_counter() - t0)
                 ray.get(pool.router.release.remote(name, 16, True))
             spans = ray.get(runs)
+            after = pool.status()
+            # The probe's 200 single leases (two calls each) are not the clients'.
+            calls = (after["lease_calls"] - before["lease_calls"] - 400) / max(
+                after["leases"] - before["leases"] - 200, 1)
             rate = n * count / (max(e for _, e in spans) - min(s for s, _ in spans))
             rate_per_client = rate_per_client or rate
             latencies.sort()
             emit("router", "micro_batches_per_s", round(rate, 1), "1/s", clients=n,
                  replicas=2, backend="zero-cost",
                  lease_ms_median=round(statistics.median(latencies) * 1e3, 3),
-                 lease_ms_p99=round(latencies[int(0.99 * len(latencies))] * 1e3, 3))
+                 lease_ms_p99=round(latencies[int(0.99 * len(latencies))] * 1e3, 3),
+                 router_calls_per_lease=round(calls, 3))
             for actor in actors:
                 ray.kill(actor)
     finally:

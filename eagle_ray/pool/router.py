@@ -52,6 +52,7 @@ class PoolRouter:
         self._removed: set[str] = set()  # names dropped on purpose; discovery skips them
         self._changed = asyncio.Condition()  # notified whenever capacity or membership changes
         self._leases = 0
+        self._lease_calls = 0  # acquire_many + release_many calls (a fraction per lease)
         self._waiting_tokens = 0  # of lease requests waiting for room (part of the demand)
         self._autoscaling: dict[str, Any] | None = None  # the controller's last report
         self._last_health = 0.0  # monotonic time of the last probe of ready replicas
@@ -172,18 +173,22 @@ class PoolRouter:
         every other one that fits now; None for the rest (the client asks again). Each is chosen
         by `routing.choose_replica`, preferring `client_node` when locality is on."""
         started = time.monotonic()
+        self._lease_calls += 1
         waiting = sum(tokens for _, tokens, _ in requests)
+        grants: list[tuple[str, ActorHandle] | None] = []
         async with self._changed:
             self._waiting_tokens += waiting
             try:
-                first = await self._grant(*requests[0], timeout_s, client_node,
-                                          started + timeout_s)
-                return [first] + [self._try_grant(tokens, avoid, client_node)
-                                  for _, tokens, avoid in requests[1:]]
+                grants.append(await self._grant(*requests[0], timeout_s, client_node,
+                                                started + timeout_s))
+                grants += [self._try_grant(tokens, avoid, client_node)
+                           for _, tokens, avoid in requests[1:]]
+                return grants
             finally:
                 self._waiting_tokens -= waiting
-                self._metrics.lease_wait.observe(time.monotonic() - started,
-                                                 tags={"pool": self._metrics.pool})
+                for _ in range(max(1, sum(g is not None for g in grants))):  # per lease
+                    self._metrics.lease_wait.observe(time.monotonic() - started,
+                                                     tags={"pool": self._metrics.pool})
 
     async def _grant(self, micro_batch_id: int, num_tokens: int, avoid: list[str],
                      timeout_s: float, client_node: str | None,
@@ -239,6 +244,7 @@ class PoolRouter:
 
     async def release_many(self, reports: list[tuple[str, int, bool, bool]]) -> None:
         """A client's finished leases `(replica, tokens, ok, replica died)`, in one call."""
+        self._lease_calls += 1
         for name, num_tokens, ok, replica_died in reports:
             self._release(name, num_tokens, ok, replica_died)
         async with self._changed:
@@ -292,6 +298,7 @@ class PoolRouter:
             "replicas": {name: r.summary() for name, r in sorted(self._replicas.items())},
             "ready_replicas": sum(r.state is ReplicaState.READY for r in replicas),
             "leases": self._leases,
+            "lease_calls": self._lease_calls,
             "locality": self._locality,
             "on_node_share": round(sum(r.on_node_leases for r in replicas) / leases, 3)
             if leases else None,
