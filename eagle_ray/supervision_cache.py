@@ -13,6 +13,7 @@ neither the pool nor the data, and a cache made by another target or other aux i
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -174,7 +175,7 @@ class SupervisionCache:
         if not mine:
             raise RuntimeError(f"worker {rank} has no micro-batches: the supervision cache holds "
                                f"{len(self)}, fewer than the {world} workers")
-        for epoch in range(1 << 62):
+        for epoch in itertools.count():
             order = mine.copy()
             random.Random(seed * 1000 + epoch).shuffle(order)
             for key in order:
