@@ -11,7 +11,11 @@ and probabilities keep their dtype.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
+
+from eagle_ray.target_batch import NUM_AUX_LAYERS, Eagle3TargetBatch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -39,3 +43,18 @@ def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor,
     """Inverse of `quantize_fp8`, in `dtype`."""
     groups = values.float().reshape(*scales.shape, -1) * scales.unsqueeze(-1)
     return groups.reshape(values.shape).to(dtype)
+
+
+def encode_batch(batch: Eagle3TargetBatch, encoding_dtype: str
+                 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None, torch.dtype]]:
+    """`(field, values, scales, dtype)` for every set field, on the CPU: with `encoding_dtype`
+    "fp8" the hidden states as e4m3 values and their scales (one per token and layer), every
+    other field as it is (scales None); `dtype` is the field's own (what decoding restores).
+    What the object store and a supervision cache hold alike."""
+    hidden = batch.aux_hidden_states.shape[-1] // NUM_AUX_LAYERS
+    for name, tensor in batch.tensors().items():
+        tensor = tensor.detach().cpu()
+        if encoding_dtype == "fp8" and name in QUANTISED_FIELDS:
+            yield name, *quantize_fp8(tensor, hidden), tensor.dtype
+        else:
+            yield name, tensor, None, tensor.dtype

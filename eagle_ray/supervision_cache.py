@@ -27,10 +27,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle_ray.config import ConfigError, PoolConfig
-from eagle_ray.fp8 import QUANTISED_FIELDS, dequantize_fp8, quantize_fp8
+from eagle_ray.fp8 import dequantize_fp8, encode_batch
 from eagle_ray.identity import TargetIdentity, check_job_target
 from eagle_ray.supervision import DraftVocab
-from eagle_ray.target_batch import NUM_AUX_LAYERS, Eagle3TargetBatch
+from eagle_ray.target_batch import Eagle3TargetBatch
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +59,11 @@ class SupervisionCacheWriter:
 
     def add(self, batch: Eagle3TargetBatch) -> None:
         key = len(self.micro_batches)
-        hidden = batch.aux_hidden_states.shape[-1] // NUM_AUX_LAYERS
         self.hidden_dtype = str(batch.aux_hidden_states.dtype).removeprefix("torch.")
-        for name, tensor in batch.tensors().items():
-            tensor = tensor.detach().cpu()
-            if self.encoding_dtype == "fp8" and name in QUANTISED_FIELDS:
-                tensor, scale = quantize_fp8(tensor, hidden)
-                self._stage(f"{key}.{name}.scale", scale)
-            self._stage(f"{key}.{name}", tensor)
+        for name, values, scales, _ in encode_batch(batch, self.encoding_dtype):
+            if scales is not None:
+                self._stage(f"{key}.{name}.scale", scales)
+            self._stage(f"{key}.{name}", values)
         self.micro_batches.append({"shard": len(self.shards),
                                    "tokens": int(batch.attention_mask.sum())})
         if self._pending_bytes >= self.shard_bytes:

@@ -104,11 +104,13 @@ class EagleRayHiddenStatesConnector(ExampleHiddenStatesConnector):
         assert self._kv_cache is not None
         block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
         offsets = torch.arange(self._block_size, dtype=torch.long)
-        slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()
         num_tokens = pending.token_ids.shape[0]
+        # Only the request's own slots: the gather below is then its one copy (no trimming).
+        slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()[:num_tokens]
         key = handoff_key(self._engine_tag, pending.req_id)
         if self._kv_cache.device.type == "cpu":
-            states = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
+            # Advanced indexing gathers into a new tensor: nothing aliases the KV cache.
+            states = extract_from_kv_cache(self._kv_cache, slots, num_tokens)
             self._handoff.publish(key, states)
             self._req_copy_events[pending.req_id] = _Done()
             return

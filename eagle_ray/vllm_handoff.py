@@ -235,7 +235,7 @@ class ShmRingHandoff(Handoff):
             deadline = deadline or now + self.wait_s
             if now > deadline:
                 return None
-            threading.Event().wait(0.001)
+            time.sleep(0.001)
 
     def _fit(self, nbytes: int) -> int | None:
         if not self._live:

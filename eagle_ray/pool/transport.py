@@ -15,8 +15,8 @@ import warnings
 import numpy as np
 import torch
 
-from eagle_ray.fp8 import FP8, QUANTISED_FIELDS, dequantize_fp8, quantize_fp8
-from eagle_ray.target_batch import NUM_AUX_LAYERS, Eagle3TargetBatch
+from eagle_ray.fp8 import FP8, dequantize_fp8, encode_batch
+from eagle_ray.target_batch import Eagle3TargetBatch
 
 _VIEW_AS = {torch.bfloat16: torch.int16, FP8: torch.uint8}
 # {field: (array, torch dtype name)}, or (e4m3 bytes, dtype to restore, fp32 scales) for fp8.
@@ -25,16 +25,9 @@ Payload = dict[str, tuple]
 
 def batch_to_numpy(batch: Eagle3TargetBatch, encoding_dtype: str = "auto") -> Payload:
     """Every set field as numpy; no copy for CPU tensors, unless quantised to fp8."""
-    hidden = batch.aux_hidden_states.shape[-1] // NUM_AUX_LAYERS
-    out = {}
-    for name, tensor in batch.tensors().items():
-        tensor = tensor.detach().cpu()
-        if encoding_dtype == "fp8" and name in QUANTISED_FIELDS:
-            values, scales = quantize_fp8(tensor, hidden)
-            out[name] = (_to_numpy(values), _dtype_name(tensor.dtype), scales.numpy())
-        else:
-            out[name] = (_to_numpy(tensor), _dtype_name(tensor.dtype))
-    return out
+    return {name: (_to_numpy(values), _dtype_name(dtype)) if scales is None
+            else (_to_numpy(values), _dtype_name(dtype), scales.numpy())
+            for name, values, scales, dtype in encode_batch(batch, encoding_dtype)}
 
 
 def batch_from_numpy(payload: Payload) -> Eagle3TargetBatch:
