@@ -159,8 +159,10 @@ def test_a_router_outage_mid_stream_loses_no_result_and_clients_recover(cluster,
     pool = synthetic_pool("router-outage", router_resources={"router_home": 0.01},
                           backend_kwargs={"hold_while": str(gate)})
     try:
+        # Leases are not passed on (lease_reuse_s 0): every micro-batch after the window needs
+        # the router, so the clients meet the outage (with reuse they ride over a short one).
         trainers = [TrainerStandIn.options(resources={"head": 1}).remote(
-            "router-outage", max_inflight_micro_batches=4) for _ in range(2)]
+            "router-outage", max_inflight_micro_batches=4, lease_reuse_s=0) for _ in range(2)]
         runs = [t.run.remote(20, seed=50 + s) for s, t in enumerate(trainers)]
         # Both windows are leased and held on the replicas; the rest needs the router.
         wait_until(lambda: sum(r["outstanding_micro_batches"]
@@ -225,6 +227,10 @@ def test_trainers_are_served_on_their_node_and_elsewhere_only_while_its_replica_
         run = trainers[0].run.remote(12, seed=70)
         wait_until(lambda: (tmp_path / "hold-calls.holding").exists(), what="a call on the engine")
         ray.kill(ray.get_actor(own, namespace="eagle_ray_test"), no_restart=False)
+        # The gate opens only once the kill has landed (the client re-ran the held attempt);
+        # opened before, the held call could finish first.
+        wait_until(lambda: ray.get(trainers[0].stats.remote(), timeout=TIMEOUT_S)["retries"]
+                   == 1, what="the held attempt lost with the replica and re-run")
         hold_calls.unlink()
         result = ray.get(run, timeout=TIMEOUT_S)
         assert len(result["correct"]) == 12 and all(result["correct"])

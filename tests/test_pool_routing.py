@@ -54,6 +54,36 @@ def gate(tmp_path):
     return path
 
 
+def test_leases_pass_from_micro_batch_to_micro_batch_and_the_router_hears_of_every_one():
+    pool = synthetic_pool("reuse")
+    try:
+        inputs = micro_batches(40, seed=2)  # all of one size: every spare lease fits the next
+        for reuse_s in (60.0, 0.0):
+            before = pool.status()
+            client = pool.client(ClientConfig(max_inflight_micro_batches=4,
+                                              lease_reuse_s=reuse_s))
+            results = list(client.stream(inputs))
+            assert all(is_correct(x, b) for x, b in zip(inputs, results, strict=True))
+            after = pool.status()
+            granted = after["leases"] - before["leases"]
+            reused = client.stats["reused_leases"]
+            assert granted + reused == 40, (granted, reused)
+            if reuse_s:
+                # The window's first 4 leases carried everything: each result's lease went to
+                # the micro-batch that refilled its slot, with no router call.
+                assert reused >= 30 and after["lease_calls"] - before["lease_calls"] < 10
+            else:
+                assert reused == 0
+            # The outcomes still reach the router, and every lease goes back.
+            wait_until(lambda b=before: sum(
+                r["served_micro_batches"] - b["replicas"][name]["served_micro_batches"]
+                for name, r in pool.status()["replicas"].items()) == 40
+                and all(r["outstanding_tokens"] == 0 for r in pool.status()["replicas"].values()),
+                what="every outcome reported and every lease handed back")
+    finally:
+        pool.shutdown()
+
+
 def test_results_match_inputs_in_order_and_both_replicas_work():
     pool = synthetic_pool("order", backend_kwargs={"seconds_per_call": 0.02})
     try:

@@ -13,6 +13,7 @@ import statistics
 import threading
 import time
 
+import psutil
 import ray
 
 from eagle_ray.bench import NAMESPACE, SYNTHETIC, emit
@@ -167,6 +168,7 @@ def run_router(clients: tuple[int, ...] = (1, 4, 16), seconds: float = 10.0) -> 
             runs = [a.run.remote(count, start_at) for a in actors]
             time.sleep(max(0.0, start_at - time.time()) + 0.5)
             before = pool.status()
+            router_cpu = psutil.Process(before["router"]["pid"]).cpu_times()
             latencies = []
             for i in range(200):
                 t0 = time.perf_counter()
@@ -175,9 +177,11 @@ def run_router(clients: tuple[int, ...] = (1, 4, 16), seconds: float = 10.0) -> 
                 ray.get(pool.router.release.remote(name, 16, True))
             spans = ray.get(runs)
             after = pool.status()
+            cpu_s = sum(psutil.Process(before["router"]["pid"]).cpu_times()[:2]) - sum(
+                router_cpu[:2])
+            served = n * count + 200  # the clients' micro-batches and the probe's leases
             # The probe's 200 single leases (two calls each) are not the clients'.
-            calls = (after["lease_calls"] - before["lease_calls"] - 400) / max(
-                after["leases"] - before["leases"] - 200, 1)
+            calls = (after["lease_calls"] - before["lease_calls"] - 400) / (n * count)
             rate = n * count / (max(e for _, e in spans) - min(s for s, _ in spans))
             rate_per_client = rate_per_client or rate
             latencies.sort()
@@ -185,7 +189,13 @@ def run_router(clients: tuple[int, ...] = (1, 4, 16), seconds: float = 10.0) -> 
                  replicas=2, backend="zero-cost",
                  lease_ms_median=round(statistics.median(latencies) * 1e3, 3),
                  lease_ms_p99=round(latencies[int(0.99 * len(latencies))] * 1e3, 3),
-                 router_calls_per_lease=round(calls, 3))
+                 router_calls_per_micro_batch=round(calls, 4),
+                 reused_lease_share=round(1 - (after["leases"] - before["leases"] - 200)
+                                          / (n * count), 3),
+                 # The router's own CPU per micro-batch (probe included): the rate one router
+                 # core sustains, whatever the clients and replicas on this machine manage.
+                 router_cpu_ms_per_micro_batch=round(cpu_s / served * 1e3, 4),
+                 router_capacity_micro_batches_per_s=round(served / cpu_s, 1))
             for actor in actors:
                 ray.kill(actor)
     finally:

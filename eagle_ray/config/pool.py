@@ -130,3 +130,7 @@ class ClientConfig:
     timeout_s: float = 600.0  # one attempt on one replica; then it is re-run elsewhere
     max_attempts: int = 4
     lease_timeout_s: float = 600.0  # waiting for any replica to accept a micro-batch
+    # A granted lease passes from a finished micro-batch to the next waiting one without a router
+    # call for this long, then goes back (so new, drained and restarted replicas are seen); 0:
+    # one lease per micro-batch.
+    lease_reuse_s: float = 5.0

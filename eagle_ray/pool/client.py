@@ -1,11 +1,11 @@
 """The client a draft-training worker uses to get supervision from the pool.
 
-Per micro-batch: validate here (before anything travels), put the inputs in the object store once,
-get a lease from the router (asked and reported in batches, `router_link`), call the leased
-replica directly, and read the result from the object store. The client owns every result, so it
-survives a router restart; it re-runs a micro-batch on another replica when its replica dies,
-times out or reports an engine error, and drops late duplicates. Results come back in submission
-order, exactly once.
+Per micro-batch: validate here (before anything travels), put large inputs in the object store
+once (small ones travel inside the call), get a lease (passed on from a finished micro-batch, or
+asked from the router in batches: `router_link`), call the leased replica directly, and read the
+result from the object store. The client owns every result, so it survives a router restart; it
+re-runs a micro-batch on another replica when its replica dies, times out or reports an engine
+error, and drops late duplicates. Results come back in submission order, exactly once.
 
 Example:
     >>> client = PoolClient.connect("eagle_ray_pool", namespace="eagle_ray")  # doctest: +SKIP
@@ -29,10 +29,11 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from eagle_ray.config.pool import ClientConfig
 from eagle_ray.pool.failures import FailureKind, classify
-from eagle_ray.pool.inflight import InFlightMicroBatch
+from eagle_ray.pool.inflight import InFlightMicroBatch, client_stats
 from eagle_ray.pool.router import NoReplicaAvailable
-from eagle_ray.pool.router_link import ROUTER_RETRY_S, RouterLink, RouterUnavailable
+from eagle_ray.pool.router_link import ROUTER_RETRY_S, Lease, RouterLink, RouterUnavailable
 from eagle_ray.pool.states import MicroBatchPhase
+from eagle_ray.pool.transport import pack_inputs
 from eagle_ray.target_batch import Eagle3TargetBatch, validate_micro_batch, validate_prompts
 from eagle_ray.target_runner import Sampling
 
@@ -68,12 +69,7 @@ class PoolClient:
         self._ids = itertools.count()
         self._inflight: collections.OrderedDict[int, InFlightMicroBatch] = collections.OrderedDict()
         self._fatal: BaseException | None = None  # a configuration error: every call raises it
-        # retries: attempts re-run after a failure, of which reruns_on_same_replica landed on a
-        # replica that had already failed them; router_retries: calls to an unavailable router;
-        # served_by: results received per replica name.
-        self.stats = {"submitted": 0, "delivered": 0, "retries": 0, "reruns_on_same_replica": 0,
-                      "abandoned_attempts": 0, "router_retries": 0, "max_inflight": 0,
-                      "wait_seconds": 0.0, "served_by": collections.Counter()}
+        self.stats = client_stats()
 
     @classmethod
     def connect(cls, pool_name: str = "eagle_ray_pool", namespace: str = "eagle_ray",
@@ -113,11 +109,9 @@ class PoolClient:
                              max_length=self.max_length)
         num_tokens = int(attention_mask.sum())
         self._wait_for_room(num_tokens)
-        return self._enqueue(ray.put(tuple(t.detach().cpu().numpy()
-                                           for t in (input_ids, attention_mask, loss_mask))),
-                             num_tokens)
+        return self._enqueue(pack_inputs(input_ids, attention_mask, loss_mask), num_tokens)
 
-    def _enqueue(self, inputs: ray.ObjectRef, num_tokens: int, **how: Any) -> int:
+    def _enqueue(self, inputs: Any, num_tokens: int, **how: Any) -> int:
         micro_batch_id = next(self._ids)
         item = InFlightMicroBatch(micro_batch_id, inputs, num_tokens, **how)
         self._inflight[micro_batch_id] = item
@@ -149,6 +143,12 @@ class PoolClient:
 
     def result(self, micro_batch_id: int) -> Eagle3TargetBatch:
         """The supervision of one submitted micro-batch; each is delivered exactly once."""
+        try:
+            return self._result(micro_batch_id)
+        finally:
+            self._router.flush()  # its lease's report: nothing else may come to carry it
+
+    def _result(self, micro_batch_id: int) -> Any:
         item = self._inflight.get(micro_batch_id)
         if item is None:
             raise KeyError(f"micro-batch {micro_batch_id} is not in flight (never submitted, or "
@@ -160,6 +160,7 @@ class PoolClient:
         self.stats["wait_seconds"] += time.monotonic() - started
         del self._inflight[micro_batch_id]
         if item.error is not None:
+            self._router.flush()  # no ask follows a failure the caller must handle first
             raise item.error
         self.stats["delivered"] += 1
         return item.result
@@ -169,18 +170,23 @@ class PoolClient:
         to the in-flight window submitted ahead (target latency overlaps the caller's work)."""
         source = iter(micro_batches)
         upcoming = next(source, None)  # the next micro-batch, submitted once the window has room
-        while True:
-            while upcoming is not None and self._has_room(int(upcoming[1].sum())):
-                self._queue(*upcoming)
-                upcoming = next(source, None)
-            self._ask_for_leases()  # one call for every micro-batch just queued
-            if not self._inflight:
-                return
-            yield self.next_result()[1]
+        ready = None  # a result taken out of the window, handed over once the window is refilled
+        try:
+            while True:
+                while upcoming is not None and self._has_room(int(upcoming[1].sum())):
+                    self._queue(*upcoming)
+                    upcoming = next(source, None)
+                self._ask_for_leases()  # spare leases, then one call for the rest (and reports)
+                self._router.settle(keep=sum(i.done for i in self._inflight.values()))  # refills
+                if ready is not None:
+                    yield ready
+                if not self._inflight:
+                    return
+                ready = self._result(next(iter(self._inflight)))
+        finally:
+            self._router.flush()
 
-    @property
-    def num_inflight(self) -> int:
-        return len(self._inflight)
+    num_inflight = property(lambda self: len(self._inflight))
 
     # ------------------------------------------------------------------ flow control
 
@@ -210,20 +216,18 @@ class PoolClient:
         item.phase, item.lease_ref = MicroBatchPhase.LEASING, None
 
     def _ask_for_leases(self) -> None:
-        """One router call for every micro-batch waiting to be asked for."""
-        self._router.ask([i for i in self._inflight.values()
-                          if i.phase is MicroBatchPhase.LEASING and i.lease_ref is None],
-                         self.config.lease_timeout_s)
+        """Spare leases for the micro-batches waiting that they fit, and one router call for the
+        others."""
+        for item, lease in self._router.ask(
+                [i for i in self._inflight.values()
+                 if i.phase is MicroBatchPhase.LEASING and i.lease_ref is None],
+                self.config.lease_timeout_s):
+            self.stats["reused_leases"] += 1
+            self._run(item, lease)
 
     def _pump(self, timeout: float) -> None:
-        """Advance every in-flight micro-batch whose leases or result are ready; ask for leases
-        and report finished ones to the router in one call each."""
-        try:
-            self._advance(timeout)
-        finally:
-            self._router.flush()
-
-    def _advance(self, timeout: float) -> None:
+        """Advance every in-flight micro-batch whose leases or result are ready. Finished leases
+        are reported with the next ask for leases, or by `flush` before waiting."""
         now = time.monotonic()
         for item in self._inflight.values():
             if item.phase is MicroBatchPhase.BACKOFF and now >= item.retry_lease_at:
@@ -238,6 +242,7 @@ class PoolClient:
                 waiting[item.lease_ref].append(item)
             elif item.phase is MicroBatchPhase.RUNNING:
                 waiting[item.result_ref].append(item)
+        self._router.settle()  # before waiting
         if not waiting:
             time.sleep(min(timeout, ROUTER_RETRY_S))
             return
@@ -274,13 +279,20 @@ class PoolClient:
                 return
             raise
         for item, grant in zip(items, grants, strict=True):
-            if grant is None:
-                continue
-            item.phase, (item.replica, handle) = MicroBatchPhase.RUNNING, grant
-            item.attempts += 1
-            item.deadline = time.monotonic() + self.config.timeout_s
-            item.result_ref = getattr(handle, item.method).remote(item.micro_batch_id,
-                                                                  item.inputs)
+            if grant is not None:
+                self._run(item, self._router.lease(grant, item.num_tokens))
+
+    def _run(self, item: InFlightMicroBatch, lease: Lease) -> None:
+        """Call the leased replica."""
+        item.phase, item.lease, item.replica = MicroBatchPhase.RUNNING, lease, lease.replica
+        item.attempts += 1
+        item.deadline = time.monotonic() + self.config.timeout_s
+        try:
+            handle = self._router.replica(lease.replica, lease.actor_id)
+        except ValueError:  # removed since the grant
+            self._attempt_failed(item, "replica removed", replica_died=False)
+            return
+        item.result_ref = getattr(handle, item.method).remote(item.micro_batch_id, item.inputs)
 
     def _on_result(self, item: InFlightMicroBatch) -> None:
         try:
@@ -331,7 +343,8 @@ class PoolClient:
     def _raise_fatal(self) -> None:
         """A configuration error stops the client at once, whichever micro-batch it hit."""
         if self._fatal is not None:
+            self._router.flush()
             raise self._fatal
 
     def _release(self, item: InFlightMicroBatch, ok: bool, replica_died: bool = False) -> None:
-        self._router.release(item.replica, item.num_tokens, ok, replica_died)
+        self._router.finish(item.lease, item.num_tokens, ok, replica_died)

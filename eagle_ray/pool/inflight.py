@@ -1,7 +1,9 @@
-"""The client's record of one submitted micro-batch: where it stands and what it went through."""
+"""The client's record of one submitted micro-batch: where it stands and what it went through;
+and the client's counters."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +19,7 @@ class InFlightMicroBatch:
     """One submitted micro-batch and where it stands."""
 
     micro_batch_id: int
-    inputs: ray.ObjectRef  # the replica method's argument, put once, reused on every attempt
+    inputs: Any  # the replica method's argument (small arrays, or a ref put once), every attempt
     num_tokens: int
     method: str = "generate"  # the replica method: supervision, or "complete" for text
     decode: Callable[[Any], Any] = batch_from_numpy  # the replica's answer -> the result
@@ -25,6 +27,7 @@ class InFlightMicroBatch:
     lease_ref: ray.ObjectRef | None = None  # LEASING: the router's answer
     result_ref: ray.ObjectRef | None = None  # RUNNING: the replica's answer
     replica: str | None = None  # RUNNING: who computes it
+    lease: Any = None  # RUNNING: the `router_link.Lease` it runs on
     deadline: float = 0.0  # RUNNING: give up on this attempt after this time
     retry_lease_at: float = 0.0  # BACKOFF: ask the router again after this time
     attempts: int = 0
@@ -42,3 +45,13 @@ class InFlightMicroBatch:
 
     def fail(self, error: BaseException) -> None:
         self.phase, self.error, self.result_ref = MicroBatchPhase.FAILED, error, None
+
+
+def client_stats() -> dict[str, Any]:
+    """A client's counters (`PoolClient.stats`). retries: attempts re-run after a failure, of
+    which reruns_on_same_replica landed on a replica that had already failed them;
+    router_retries: calls to an unavailable router; reused_leases: micro-batches run on a lease
+    passed on from a finished one (no router call); served_by: results received per replica."""
+    return {"submitted": 0, "delivered": 0, "retries": 0, "reruns_on_same_replica": 0,
+            "abandoned_attempts": 0, "router_retries": 0, "max_inflight": 0,
+            "wait_seconds": 0.0, "reused_leases": 0, "served_by": collections.Counter()}

@@ -1,11 +1,13 @@
 """The router actor: decides which replica serves each micro-batch; carries no tensor bytes.
 
 A client asks for *leases* (`acquire_many`: every micro-batch it has waiting, in one call), calls
-the named replicas itself, and reports back (`release_many`, one call per client round), so the
-router handles a fraction of a call per micro-batch. Results therefore belong to the client, and
-a router restart loses none of them. The router balances by outstanding *tokens* (micro-batches
-differ in length), caps them per replica (backpressure), and keeps a registry of replicas that it
-can rebuild from their actor names after a restart.
+the named replicas itself, passes a lease from a finished micro-batch to its next one for a while
+(`ClientConfig.lease_reuse_s`), and reports back in batches (`LeaseReport`s, carried by its next
+`acquire_many` or sent with `release_many`), so the router handles a small fraction of a call per
+micro-batch. Results therefore belong to the client, and a router restart loses none of them.
+The router balances by outstanding *tokens* (micro-batches differ in length), caps them per
+replica (backpressure), and keeps a registry of replicas that it can rebuild from their actor
+names after a restart.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 import ray
@@ -32,6 +34,25 @@ HEALTH_PERIOD_S = 2.0  # ready replicas are probed this often (restarts show as 
 # A ready replica's probe runs beside its engine calls (its own concurrency group) and answers in
 # milliseconds; one that does not answer this long is dead with its restart pending.
 PROBE_TIMEOUT_S = 10.0
+
+
+# A lease: the replica's actor name and id (the client keeps a handle per id, `RouterLink`).
+Grant = tuple[str, str]
+
+
+class LeaseReport(NamedTuple):
+    """What a client tells the router about a lease: a micro-batch's outcome on it (`ok`; None
+    when there is none: a lease handed back unused) and, once the client hands the lease back,
+    its tokens (`returned_tokens`; None while the client passes it on to its next micro-batch)."""
+
+    replica: str
+    served_tokens: int
+    ok: bool | None
+    replica_died: bool = False
+    returned_tokens: int | None = None
+
+
+Releases = list[LeaseReport] | tuple[()]
 
 
 class NoReplicaAvailable(RuntimeError):
@@ -158,25 +179,30 @@ class PoolRouter:
     # ------------------------------------------------------------------ leases
 
     async def acquire(self, micro_batch_id: int, num_tokens: int, avoid: list[str],
-                      timeout_s: float, client_node: str | None = None,
-                      ) -> tuple[str, ActorHandle]:
+                      timeout_s: float, client_node: str | None = None) -> Grant:
         """Lease a replica for one micro-batch (`acquire_many` with one request)."""
         grants = await self.acquire_many([(micro_batch_id, num_tokens, avoid)], timeout_s,
                                          client_node)
         return grants[0]
 
     async def acquire_many(self, requests: list[tuple[int, int, list[str]]], timeout_s: float,
-                           client_node: str | None = None,
-                           ) -> list[tuple[str, ActorHandle] | None]:
+                           client_node: str | None = None, releases: Releases = (),
+                           ) -> list[Grant | None]:
         """Leases for a client's waiting micro-batches `(id, tokens, replicas to avoid)`, in one
         call: waits (backpressure, up to `timeout_s`) until the first can be granted, then grants
         every other one that fits now; None for the rest (the client asks again). Each is chosen
-        by `routing.choose_replica`, preferring `client_node` when locality is on."""
+        by `routing.choose_replica`, preferring `client_node` when locality is on. `releases`: the
+        client's finished leases since its last call (`release_many`'s reports), applied first,
+        so one call per client round carries both."""
         started = time.monotonic()
         self._lease_calls += 1
         waiting = sum(tokens for _, tokens, _ in requests)
-        grants: list[tuple[str, ActorHandle] | None] = []
+        grants: list[Grant | None] = []
+        for report in releases:
+            self._release(report)
         async with self._changed:
+            if releases:
+                self._changed.notify_all()
             self._waiting_tokens += waiting
             try:
                 grants.append(await self._grant(*requests[0], timeout_s, client_node,
@@ -192,7 +218,7 @@ class PoolRouter:
 
     async def _grant(self, micro_batch_id: int, num_tokens: int, avoid: list[str],
                      timeout_s: float, client_node: str | None,
-                     deadline: float) -> tuple[str, ActorHandle]:
+                     deadline: float) -> Grant:
         """Wait (holding `self._changed`) for a replica with room for one micro-batch."""
         while True:
             grant = self._try_grant(num_tokens, avoid, client_node)
@@ -207,7 +233,7 @@ class PoolRouter:
                 )
 
     def _try_grant(self, num_tokens: int, avoid: list[str], client_node: str | None
-                   ) -> tuple[str, ActorHandle] | None:
+                   ) -> Grant | None:
         """Lease the replica the policy chooses now, or None when none has room."""
         replica = choose_replica(self._replicas.values(), num_tokens, set(avoid),
                                  self._max_tokens, client_node if self._locality else None)
@@ -223,7 +249,7 @@ class PoolRouter:
         self._leases += 1
         self._metrics.outstanding.set(replica.outstanding_tokens,
                                       tags=self._metrics.replica(replica.name))
-        return replica.name, replica.handle
+        return replica.name, replica.actor_id
 
     async def _wait_for_change(self, deadline: float) -> bool:
         """Wait (holding `self._changed`) for a capacity or membership change, at most a second
@@ -239,34 +265,37 @@ class PoolRouter:
 
     async def release(self, name: str, num_tokens: int, ok: bool,
                       replica_died: bool = False) -> None:
-        """Called by the client when a leased micro-batch finished, failed or timed out."""
-        await self.release_many([(name, num_tokens, ok, replica_died)])
+        """A leased micro-batch finished, failed or timed out, and its lease is handed back."""
+        await self.release_many([LeaseReport(name, num_tokens, ok, replica_died, num_tokens)])
 
-    async def release_many(self, reports: list[tuple[str, int, bool, bool]]) -> None:
-        """A client's finished leases `(replica, tokens, ok, replica died)`, in one call."""
+    async def release_many(self, reports: Releases) -> None:
+        """A client's `LeaseReport`s since its last call, in one call."""
         self._lease_calls += 1
-        for name, num_tokens, ok, replica_died in reports:
-            self._release(name, num_tokens, ok, replica_died)
+        for report in reports:
+            self._release(report)
         async with self._changed:
             self._changed.notify_all()
 
-    def _release(self, name: str, num_tokens: int, ok: bool, replica_died: bool) -> None:
+    def _release(self, report: LeaseReport) -> None:
+        name = report.replica
         replica = self._replicas.get(name)
         if replica is None:
             return
-        replica.outstanding_tokens = max(0, replica.outstanding_tokens - num_tokens)
-        replica.outstanding_micro_batches = max(0, replica.outstanding_micro_batches - 1)
-        self._metrics.outstanding.set(replica.outstanding_tokens,
-                                      tags=self._metrics.replica(name))
-        if ok:
-            replica.served_tokens += num_tokens
+        if report.returned_tokens is not None:
+            replica.outstanding_tokens = max(0, replica.outstanding_tokens
+                                             - report.returned_tokens)
+            replica.outstanding_micro_batches = max(0, replica.outstanding_micro_batches - 1)
+            self._metrics.outstanding.set(replica.outstanding_tokens,
+                                          tags=self._metrics.replica(name))
+        if report.ok:
+            replica.served_tokens += report.served_tokens
             replica.served_micro_batches += 1
             replica.first_served_at = replica.first_served_at or time.monotonic()
-            self._metrics.served.inc(num_tokens, tags=self._metrics.replica(name))
-        else:
+            self._metrics.served.inc(report.served_tokens, tags=self._metrics.replica(name))
+        elif report.ok is False:
             replica.errors += 1
             self._metrics.errors.inc(tags=self._metrics.replica(name))
-            if replica_died and replica.state is ReplicaState.READY:
+            if report.replica_died and replica.state is ReplicaState.READY:
                 replica.state = ReplicaState.SUSPECT
                 self._probe_soon(replica)
 

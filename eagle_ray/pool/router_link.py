@@ -1,10 +1,18 @@
-"""A client's calls to the router, batched: every micro-batch waiting for a replica is asked for
-in one `acquire_many` per client round and every finished lease is reported in one
-`release_many`, so the router's work per micro-batch is a fraction of a call however many clients
-and micro-batches there are. Also finds the router by name (again, after it restarts)."""
+"""A client's side of the router: leases asked for, passed on and reported in batches.
+
+Every micro-batch waiting for a replica is asked for in one `acquire_many` per client round. A
+lease whose micro-batch finished well passes to the client's next waiting micro-batch that fits
+it, with no router call, until `ClientConfig.lease_reuse_s` after its grant; then, or when no
+micro-batch waits for it, it goes back. What happened on each lease (`LeaseReport`) rides on the
+next `acquire_many`, or is sent with `release_many` when a lease goes back or every
+`REPORT_INTERVAL_S`. In steady streaming the router sees a call per `lease_reuse_s` per replica a
+client uses, not one per micro-batch. Also finds the router by name (again, after it restarts)
+and the granted replicas by name (once per actor).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -16,24 +24,40 @@ from ray.exceptions import RayActorError
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.pool.inflight import InFlightMicroBatch
+from eagle_ray.pool.router import Grant, LeaseReport
 
 logger = logging.getLogger(__name__)
 
 ROUTER_RETRY_S = 0.5  # pause before asking a restarting router again
+REPORT_INTERVAL_S = 0.5  # outcomes on leases still in use reach the router at least this often
 
 
 class RouterUnavailable(RuntimeError):
     """The router stayed unreachable for the whole lease timeout."""
 
 
+@dataclasses.dataclass
+class Lease:
+    """Room for `tokens` on a replica, granted by the router; passed on until `expires`."""
+
+    replica: str
+    actor_id: str
+    tokens: int
+    expires: float  # time.monotonic()
+
+
 class RouterLink:
     """See the module docstring. `connect` builds one; the client owns it."""
 
     def __init__(self, router: ActorHandle, router_name: str | None, namespace: str | None,
-                 node_id: str) -> None:
+                 node_id: str, lease_reuse_s: float = 0.0) -> None:
         self.router, self.router_name, self.namespace = router, router_name, namespace
         self.node_id = node_id  # sent with every request, for locality-aware leases
-        self._releases: list[tuple[str, int, bool, bool]] = []
+        self.lease_reuse_s = lease_reuse_s
+        self._reports: list[LeaseReport] = []
+        self._spares: list[Lease] = []  # leases free since their micro-batch finished
+        self._last_sent = time.monotonic()
+        self._replicas: dict[str, tuple[str, ActorHandle]] = {}  # name -> (actor id, handle)
 
     @classmethod
     def connect(cls, pool_name: str, namespace: str, config: ClientConfig
@@ -63,26 +87,92 @@ class RouterLink:
                 logger.warning("router of pool %r unavailable (%s); retrying", pool_name,
                                type(e).__name__)
                 time.sleep(ROUTER_RETRY_S)
-        link = cls(router, router_name, namespace, ray.get_runtime_context().get_node_id())
+        link = cls(router, router_name, namespace, ray.get_runtime_context().get_node_id(),
+                   config.lease_reuse_s)
         return link, info, unavailable
 
-    def ask(self, items: Sequence[InFlightMicroBatch], timeout_s: float) -> None:
-        """One `acquire_many` for `items`; each keeps the shared answer's ref (`lease_ref`)."""
-        if items:
+    def lease(self, grant: Grant, tokens: int) -> Lease:
+        """The lease the router granted for a micro-batch of `tokens`."""
+        return Lease(*grant, tokens, time.monotonic() + self.lease_reuse_s)
+
+    def ask(self, items: Sequence[InFlightMicroBatch], timeout_s: float
+            ) -> list[tuple[InFlightMicroBatch, Lease]]:
+        """Spare leases for the `items` they fit (returned), and one `acquire_many` for the rest,
+        carrying every report and the spares left over; each asked item keeps the shared answer's
+        ref (`lease_ref`)."""
+        matched, asked = [], []
+        for item in items:
+            lease = self._take_spare(item.num_tokens, item.failed_on)
+            if lease is None:
+                asked.append(item)
+            else:
+                matched.append((item, lease))
+        if asked:
+            self._give_back(self._spares)
+            reports, self._reports = self._reports, []
+            self._last_sent = time.monotonic()
             ref = self.router.acquire_many.remote(
-                [(i.micro_batch_id, i.num_tokens, i.failed_on) for i in items], timeout_s,
-                self.node_id)
-            for item in items:
+                [(i.micro_batch_id, i.num_tokens, i.failed_on) for i in asked], timeout_s,
+                self.node_id, reports)
+            for item in asked:
                 item.lease_ref = ref
+        return matched
 
-    def release(self, replica: str, num_tokens: int, ok: bool, replica_died: bool) -> None:
-        """Queue a finished lease's report (sent by `flush`)."""
-        self._releases.append((replica, num_tokens, ok, replica_died))
+    def _take_spare(self, tokens: int, avoid: list[str]) -> Lease | None:
+        """The smallest unexpired spare lease with room for `tokens`, on a replica not in
+        `avoid`."""
+        now = time.monotonic()
+        fits = [lease for lease in self._spares if lease.tokens >= tokens
+                and lease.expires > now and lease.replica not in avoid]
+        if not fits:
+            return None
+        lease = min(fits, key=lambda lease: lease.tokens)
+        self._spares.remove(lease)
+        return lease
 
-    def flush(self) -> None:
-        """Report every queued lease in one call."""
-        if self._releases:
-            reports, self._releases = self._releases, []
+    def finish(self, lease: Lease, tokens: int, ok: bool, replica_died: bool = False) -> None:
+        """A micro-batch of `tokens` ended on `lease`: a success keeps it (spare) until it
+        expires; a failure hands it back."""
+        keep = ok and time.monotonic() < lease.expires
+        self._reports.append(LeaseReport(lease.replica, tokens, ok, replica_died,
+                                         None if keep else lease.tokens))
+        if keep:
+            self._spares.append(lease)
+
+    def _give_back(self, leases: list[Lease]) -> None:
+        for lease in list(leases):
+            self._reports.append(LeaseReport(lease.replica, 0, None, False, lease.tokens))
+            self._spares.remove(lease)
+
+    def replica(self, name: str, actor_id: str) -> ActorHandle:
+        """The handle of a granted replica. Raises ValueError when no actor has that name now
+        (removed since the grant)."""
+        known = self._replicas.get(name)
+        if known is None or known[0] != actor_id:  # first grant, or a new actor of that name
+            known = self._replicas[name] = (actor_id,
+                                            ray.get_actor(name, namespace=self.namespace))
+        return known[1]
+
+    def settle(self, keep: int | None = None) -> None:
+        """Hand back expired spares and all but `keep` of the others (None: all of them; the
+        client will pass them on to micro-batches it is about to queue), and send the reports
+        when a lease went back or `REPORT_INTERVAL_S` has passed."""
+        now = time.monotonic()
+        live = [lease for lease in self._spares if lease.expires > now]
+        self._give_back([lease for lease in self._spares if lease.expires <= now]
+                        + live[len(live) if keep is None else keep:])
+        if any(r.returned_tokens is not None for r in self._reports) \
+                or now - self._last_sent >= REPORT_INTERVAL_S:
+            self.flush(keep_spares=True)
+
+    def flush(self, keep_spares: bool = False) -> None:
+        """Send every report now in one call, handing back the spares first (the client may not
+        call again soon)."""
+        if not keep_spares:
+            self._give_back(self._spares)
+        if self._reports:
+            reports, self._reports = self._reports, []
+            self._last_sent = time.monotonic()
             try:
                 self.router.release_many.remote(reports)
             except RayActorError:

@@ -1,4 +1,4 @@
-"""Supervision batches as numpy arrays in the Ray object store.
+"""Micro-batches to replicas and supervision back, as numpy arrays (in the Ray object store).
 
 Ray stores numpy arrays out of band and readers on the same node map them without a copy; torch
 tensors would be copied on read (unless RAY_ENABLE_ZERO_COPY_TORCH_TENSORS is set everywhere).
@@ -13,14 +13,25 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import ray
 import torch
 
 from eagle_ray.fp8 import FP8, dequantize_fp8, encode_batch
 from eagle_ray.target_batch import Eagle3TargetBatch
 
+# Inputs up to this size are passed by value in each replica call, larger ones put in the object
+# store once (Ray inlines arguments under 100 KiB; 64 KiB is ~2.7k tokens of int64 and masks).
+INLINE_INPUT_BYTES = 64 * 1024
 _VIEW_AS = {torch.bfloat16: torch.int16, FP8: torch.uint8}
 # {field: (array, torch dtype name)}, or (e4m3 bytes, dtype to restore, fp32 scales) for fp8.
 Payload = dict[str, tuple]
+
+
+def pack_inputs(*tensors: torch.Tensor) -> tuple[np.ndarray, ...] | ray.ObjectRef:
+    """A micro-batch's tensors as the replica call's argument: the numpy arrays themselves when
+    small (a put costs more than they do), else one object-store ref reused on every attempt."""
+    arrays = tuple(t.detach().cpu().numpy() for t in tensors)
+    return arrays if sum(a.nbytes for a in arrays) <= INLINE_INPUT_BYTES else ray.put(arrays)
 
 
 def batch_to_numpy(batch: Eagle3TargetBatch, encoding_dtype: str = "auto") -> Payload:
