@@ -74,13 +74,8 @@ class PoolClient:
     @classmethod
     def connect(cls, pool_name: str = "eagle_ray_pool", namespace: str = "eagle_ray",
                 config: ClientConfig | None = None) -> PoolClient:
-        """A client for a running pool, found by name (works from any job or actor).
-
-        Args:
-            pool_name: the pool's `name` (`PoolConfig.name`).
-            namespace: the pool's Ray namespace (`PoolConfig.namespace`).
-            config: flow control and retries; None: `ClientConfig()` defaults.
-        """
+        """A client for a running pool, found by its `PoolConfig.name` and `namespace` (works
+        from any job or actor); `config`: flow control and retries (None: the defaults)."""
         config = config or ClientConfig()
         try:
             link, info, unavailable = RouterLink.connect(pool_name, namespace, config)
@@ -177,7 +172,7 @@ class PoolClient:
                     self._queue(*upcoming)
                     upcoming = next(source, None)
                 self._ask_for_leases()  # spare leases, then one call for the rest (and reports)
-                self._router.settle(keep=sum(i.done for i in self._inflight.values()))  # refills
+                self._settle(keep=sum(i.done for i in self._inflight.values()))  # refills
                 if ready is not None:
                     yield ready
                 if not self._inflight:
@@ -211,8 +206,7 @@ class PoolClient:
     # ------------------------------------------------------------------ the state machine
 
     def _lease(self, item: InFlightMicroBatch) -> None:
-        """Mark it as needing a replica; the next round asks the router for every such one in
-        one call (avoiding the replicas each already failed on)."""
+        """Mark it as needing a replica (a spare lease, or the router's in the next round)."""
         item.phase, item.lease_ref = MicroBatchPhase.LEASING, None
 
     def _ask_for_leases(self) -> None:
@@ -225,9 +219,15 @@ class PoolClient:
             self.stats["reused_leases"] += 1
             self._run(item, lease)
 
+    def _settle(self, keep: int | None) -> None:
+        """Spare leases kept for micro-batches about to come (`RouterLink.settle`); none while
+        one of ours waits for the router: a spare it cannot take goes back to be granted."""
+        asking = any(i.phase is MicroBatchPhase.LEASING and i.lease_ref is not None
+                     for i in self._inflight.values())
+        self._router.settle(keep=0 if asking else keep)
+
     def _pump(self, timeout: float) -> None:
-        """Advance every in-flight micro-batch whose leases or result are ready. Finished leases
-        are reported with the next ask for leases, or by `flush` before waiting."""
+        """Advance every in-flight micro-batch whose leases or result are ready."""
         now = time.monotonic()
         for item in self._inflight.values():
             if item.phase is MicroBatchPhase.BACKOFF and now >= item.retry_lease_at:
@@ -242,7 +242,7 @@ class PoolClient:
                 waiting[item.lease_ref].append(item)
             elif item.phase is MicroBatchPhase.RUNNING:
                 waiting[item.result_ref].append(item)
-        self._router.settle()  # before waiting
+        self._settle(keep=None)  # before waiting
         if not waiting:
             time.sleep(min(timeout, ROUTER_RETRY_S))
             return
@@ -261,8 +261,7 @@ class PoolClient:
             item.lease_ref = None  # not granted: asked again next round
         try:
             grants = ray.get(ref)
-        except RayActorError:
-            # The router is restarting (or was replaced): ask again shortly.
+        except RayActorError:  # the router is restarting (or was replaced): ask again shortly
             logger.warning("router unreachable; retrying leases for %d micro-batch(es)",
                            len(items))
             self.stats["router_retries"] += 1
