@@ -110,7 +110,9 @@ def scenario(gcs: str, tmp_path: str) -> None:
     try:
         assert len(gpu_nodes()) == 1
         gate.touch()
-        trainers = [TrainerStandIn.options(resources={"head": 1}).remote("nodes")
+        # lease_reuse_s 0: every micro-batch asks the router, so the added replica gets work
+        # at once (passed-on leases would reach it only when they expire).
+        trainers = [TrainerStandIn.options(resources={"head": 1}).remote("nodes", lease_reuse_s=0)
                     for _ in range(2)]
         runs = [t.run.remote(30, seed=100 + s) for s, t in enumerate(trainers)]
         # Demand above target: a second replica, pending until the autoscaler adds its node.

@@ -52,7 +52,9 @@ def test_replicas_follow_demand_and_training_rides_through_exactly_once(local_ra
                                       upscale_delay_s=0.5, downscale_delay_s=1.0,
                                       interval_s=0.2))
     try:
-        trainers = [TrainerStandIn.remote("autoscale") for _ in range(3)]
+        # Every micro-batch asks the router (lease_reuse_s 0), so a replica added mid-run gets
+        # work at once; passed-on leases would reach it only when they expire.
+        trainers = [TrainerStandIn.remote("autoscale", lease_reuse_s=0) for _ in range(3)]
         runs = [t.run.remote(40, seed=90 + s) for s, t in enumerate(trainers)]
         # Three windows of 8 micro-batches (26 tokens each) held on the engine: demand ~600
         # tokens wants 6 replicas, capped at 3; the cluster has room for 2.
