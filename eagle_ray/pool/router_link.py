@@ -5,9 +5,9 @@ lease whose micro-batch finished well passes to the client's next waiting micro-
 it, with no router call, until `ClientConfig.lease_reuse_s` after its grant; then, or when no
 micro-batch waits for it, it goes back. What happened on each lease (`LeaseReport`) rides on the
 next `acquire_many`, or is sent with `release_many` when a lease goes back or every
-`REPORT_INTERVAL_S`. In steady streaming the router sees a call per `lease_reuse_s` per replica a
-client uses, not one per micro-batch. Also finds the router by name (again, after it restarts)
-and the granted replicas by name (once per actor).
+`REPORT_INTERVAL_S`. In steady streaming the router sees about one call per lease (the client's
+window) per `lease_reuse_s`, not one per micro-batch. Also finds the router by name (again,
+after it restarts) and the granted replicas by name (once per actor).
 """
 
 from __future__ import annotations
