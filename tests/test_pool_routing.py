@@ -84,6 +84,21 @@ def test_leases_pass_from_micro_batch_to_micro_batch_and_the_router_hears_of_eve
         pool.shutdown()
 
 
+def test_inputs_reused_by_the_caller_after_submit_are_served_as_submitted():
+    pool = synthetic_pool("snapshot", replicas=1)
+    try:
+        client = pool.client()
+        inputs = micro_batches(1, seed=3)[0]
+        original = tuple(t.clone() for t in inputs)
+        # A fresh client holds no spare lease: the replica is called only once the router's
+        # grant is read, inside result(), after the caller has overwritten its buffer.
+        micro_batch_id = client.submit(*inputs)
+        inputs[0].fill_(7)
+        assert is_correct(original, client.result(micro_batch_id))
+    finally:
+        pool.shutdown()
+
+
 def test_results_match_inputs_in_order_and_both_replicas_work():
     pool = synthetic_pool("order", backend_kwargs={"seconds_per_call": 0.02})
     try:

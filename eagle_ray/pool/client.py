@@ -155,8 +155,7 @@ class PoolClient:
         self.stats["wait_seconds"] += time.monotonic() - started
         del self._inflight[micro_batch_id]
         if item.error is not None:
-            self._router.flush()  # no ask follows a failure the caller must handle first
-            raise item.error
+            raise item.error  # its report goes with the caller's flush (`result`, `stream`)
         self.stats["delivered"] += 1
         return item.result
 
@@ -181,7 +180,9 @@ class PoolClient:
         finally:
             self._router.flush()
 
-    num_inflight = property(lambda self: len(self._inflight))
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
 
     # ------------------------------------------------------------------ flow control
 

@@ -28,10 +28,13 @@ Payload = dict[str, tuple]
 
 
 def pack_inputs(*tensors: torch.Tensor) -> tuple[np.ndarray, ...] | ray.ObjectRef:
-    """A micro-batch's tensors as the replica call's argument: the numpy arrays themselves when
-    small (a put costs more than they do), else one object-store ref reused on every attempt."""
+    """A micro-batch's tensors as the replica call's argument: copies of the arrays when small
+    (a put costs more than they do), else one object-store ref. Either way a snapshot taken now:
+    every attempt, however late, sends what was submitted even if the caller reuses its tensors."""
     arrays = tuple(t.detach().cpu().numpy() for t in tensors)
-    return arrays if sum(a.nbytes for a in arrays) <= INLINE_INPUT_BYTES else ray.put(arrays)
+    if sum(a.nbytes for a in arrays) <= INLINE_INPUT_BYTES:
+        return tuple(a.copy() for a in arrays)
+    return ray.put(arrays)
 
 
 def batch_to_numpy(batch: Eagle3TargetBatch, encoding_dtype: str = "auto") -> Payload:
