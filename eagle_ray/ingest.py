@@ -45,6 +45,9 @@ GENERATED_WRITER = "other"
 # once instead of re-read every epoch; a row costs its ids and mask (int64 each) per token.
 CACHE_SHARE = 0.1
 BYTES_PER_TOKEN = 16
+# Tokenised bytes per byte of chat file, an upper estimate (~4 bytes of text per token, 16 bytes
+# per token once tokenised, plus each row's key): known small data is tokenised once.
+TOKENIZED_BYTES_PER_INPUT_BYTE = 8
 
 
 def read_chats(paths: str | list[str] | None, num_samples: int, cpus_per_task: float):
@@ -203,6 +206,13 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, model_path: str,
     max_length = min(data.max_length, served.max_length or data.max_length)
     rows = tokenized(source, model_path, max_length, served.vocab_size, data.overlong,
                      data.cpus_per_task, data.tokenize_workers)
+    input_bytes = _input_bytes(regenerated["file"] if regenerated else data.path, source)
+    keep = input_bytes is not None \
+        and input_bytes * TOKENIZED_BYTES_PER_INPUT_BYTE < CACHE_SHARE * _object_store_bytes()
+    if keep:
+        # One tokenising execution serves the counting pass and every epoch (each execution
+        # starts its readers and tokenising actors: ~15 s on a 2-core machine).
+        rows = rows.materialize()
     cache_source = {"data": data.path, "num_samples": data.num_samples, "max_length": max_length,
                     "overlong": data.overlong, "eval_samples": data.eval_samples,
                     "target": served.fingerprint,
@@ -217,7 +227,7 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, model_path: str,
                                                 count, served.vocab_size, data.draft_vocab_size)
     logger.info("data: %s (max_length %d); %d held out", statuses, max_length, len(held))
     train = training_rows(rows, held_keys, data.cpus_per_task)
-    if statuses["training_tokens"] * BYTES_PER_TOKEN < CACHE_SHARE * _object_store_bytes():
+    if keep or statuses["training_tokens"] * BYTES_PER_TOKEN < CACHE_SHARE * _object_store_bytes():
         # Small enough to keep: later epochs then neither re-read nor re-tokenise (a new
         # execution per epoch starts a tokenising actor and leaves the trainers waiting).
         logger.info("keeping the tokenised training rows in the object store (%.1f MiB)",
@@ -228,6 +238,24 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, model_path: str,
 
 def _object_store_bytes() -> float:
     return float(ray.cluster_resources().get("object_store_memory", 0.0))
+
+
+def _input_bytes(paths: str | list[str] | None, source) -> int | None:
+    """Bytes of the job's chat data before tokenising, where known without reading it: local
+    files and folders by size, the generated data (built in memory) by Ray's metadata; None for
+    anything else (remote storage)."""
+    if paths is None:
+        return source.size_bytes()
+    total = 0
+    for path in [paths] if isinstance(paths, str) else paths:
+        target = Path(path)
+        if target.is_file():
+            total += target.stat().st_size
+        elif target.is_dir():
+            total += sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+        else:
+            return None
+    return total
 
 
 def regenerate_job_data(config: JobConfig, served: TargetIdentity, tokenizer,

@@ -65,7 +65,7 @@ SUMMARY = {
                       "data_wait_share": 0.01},
     "eval": {"num_speculative_tokens": 2, "prompts": 8,
              "simulated_acceptance_trained": 2.94, "vllm_acceptance_trained": 2.91,
-             "simulated_acceptance_untrained": 1.0, "vllm_acceptance_untrained": 1.0,
+             "simulated_acceptance_untrained": 1.0,
              "simulated_acceptance_per_position_trained": [0.97, 0.88],
              "vllm_acceptance_per_position_trained": [0.96, 0.87]},
     "draft_dir": "/runs/x/draft",
@@ -82,6 +82,7 @@ def test_the_summary_table_carries_the_summarys_figures():
     assert any(line.split() == ["accuracy", "0.95", "0.93"] for line in lines)
     assert "3,281 tok/s" in table and "pool 9%" in table and "data 1%" in table
     assert any(line.split() == ["trained", "draft", "2.94", "2.91"] for line in lines)
+    assert any(line.split() == ["untrained", "draft", "1.00", "-"] for line in lines)
     assert any(line.split() == ["trained,", "vLLM", "0.96", "0.87"] for line in lines)
     assert lines[-1].strip() == command
     assert command == ("vllm serve '/models/My 8B' --tensor-parallel-size 2 --dtype bfloat16 "

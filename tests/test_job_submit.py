@@ -1,8 +1,8 @@
-"""Against a local `ray start --head`: `ray job submit` runs a short training job to success,
-`eagle-ray serve | status | shutdown` manage a shared pool that a job can join, a client
-without the cluster's token cannot reach it, and `serve` refuses a cluster without token
-authentication. Each head is started on free ports in its own temp dir, and only its own
-processes are stopped afterwards (never another Ray on the machine)."""
+"""Against a local `ray start --head`: `eagle-ray serve | status | shutdown` manage a shared pool,
+`ray job submit` runs a short training job on it to success, a client without the cluster's
+token cannot reach it, and `serve` refuses a cluster without token authentication. Each head is
+started on free ports in its own temp dir, and only its own processes are stopped afterwards
+(never another Ray on the machine)."""
 
 import collections
 import json
@@ -66,46 +66,45 @@ def submit(env, addresses, *entrypoint: str) -> subprocess.CompletedProcess:
         time.sleep(5)
 
 
-def test_ray_job_submit_runs_training_to_success(head_node, tmp_path):
-    env, addresses = head_node
-    output_dir = tmp_path / "run"
-    result = submit(env, addresses, "eagle-ray", "train", "--config", "examples/tiny.yaml",
-                    "train.steps=10", "train.log_every=5", "train.checkpoint_every=10",
-                    "eval.enabled=false", "target.name=job-pool", f"output_dir={output_dir}",
-                    "run_name=job-test")
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "succeeded" in result.stdout
-    assert (output_dir / "draft" / "config.json").exists()
-    assert len((output_dir / "metrics.jsonl").read_text().splitlines()) == 2
-    # What the person who submitted it reads: the job's own console, between `ray job submit`'s
-    # header and its closing status line.
+def eagle_ray(env, *args, timeout=300):
+    return subprocess.run([BIN / "eagle-ray", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_a_clean_console(result: subprocess.CompletedProcess) -> str:
+    """What the person who submitted the job reads: the job's own console, between `ray job
+    submit`'s header and its closing status line; no traceback, no flood of repeated lines."""
     console = result.stdout.split("Tailing logs until the job exits", 1)[1]
     console = console.rsplit("Job '", 1)[0]
     assert "Traceback" not in console, console
     repeats = collections.Counter(line.strip() for line in console.splitlines()
                                   if line.strip() and set(line.strip()) != {"-"})
     assert max(repeats.values()) <= 2, repeats.most_common(3)
-    assert "eagle_ray run job-test -- summary" in console
-    assert f"vllm serve {cache_root()}" in console and "--speculative-config" in console
-    assert (output_dir / "job.log").stat().st_size > 0  # where the rest went
+    return console
 
 
-def eagle_ray(env, *args, timeout=300):
-    return subprocess.run([BIN / "eagle-ray", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def test_serve_status_shutdown_and_a_job_that_joins_the_shared_pool(head_node, tmp_path):
+def test_serve_then_ray_job_submit_trains_on_the_shared_pool_then_status_and_shutdown(
+        head_node, tmp_path):
+    """The cluster path end to end; one job (a job making its own pool is test_train's)."""
     env, addresses = head_node
     gcs = ["--address", addresses["gcs"]]
     served = eagle_ray(env, "serve", *gcs, "name=shared", "dtype=float32")
     assert served.returncode == 0, served.stderr[-3000:]
     assert json.loads(served.stdout)["ready_replicas"] == 1
+    output_dir = tmp_path / "run"
     result = submit(env, addresses, "eagle-ray", "train", "--config", "examples/tiny.yaml",
                     "use_shared_pool=true", "target.name=shared", "train.steps=6",
                     "train.log_every=3", "train.checkpoint_every=6", "eval.enabled=false",
-                    f"output_dir={tmp_path / 'run'}", "run_name=shared-test")
+                    f"output_dir={output_dir}", "run_name=shared-test")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "succeeded" in result.stdout
+    assert (output_dir / "draft" / "config.json").exists()
+    assert len((output_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    console = assert_a_clean_console(result)
+    assert "eagle_ray run shared-test -- summary" in console
+    assert f"vllm serve {cache_root()}" in console and "--speculative-config" in console
+    assert (output_dir / "job.log").stat().st_size > 0  # where the rest went
+
     status = eagle_ray(env, "status", *gcs, "--name", "shared")
     assert status.returncode == 0, status.stderr[-3000:]
     replica = json.loads(status.stdout)["replicas"]["shared-replica-0"]
