@@ -94,7 +94,8 @@ def test_serve_then_ray_job_submit_trains_on_the_shared_pool_then_status_and_shu
     output_dir = tmp_path / "run"
     result = submit(env, addresses, "eagle-ray", "train", "--config", "examples/tiny.yaml",
                     "use_shared_pool=true", "target.name=shared", "train.steps=6",
-                    "train.log_every=3", "train.checkpoint_every=6", "eval.enabled=false",
+                    "train.workers=1", "data.num_samples=96", "train.log_every=3",
+                    "train.checkpoint_every=6", "eval.enabled=false",
                     f"output_dir={output_dir}", "run_name=shared-test")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "succeeded" in result.stdout
@@ -108,7 +109,7 @@ def test_serve_then_ray_job_submit_trains_on_the_shared_pool_then_status_and_shu
     status = eagle_ray(env, "status", *gcs, "--name", "shared")
     assert status.returncode == 0, status.stderr[-3000:]
     replica = json.loads(status.stdout)["replicas"]["shared-replica-0"]
-    assert replica["served_micro_batches"] >= 12  # 2 workers x 6 steps, served by the shared pool
+    assert replica["served_micro_batches"] >= 6  # one worker x 6 steps, served by the shared pool
 
     # Without the cluster's token (no RAY_AUTH_MODE, no ~/.ray/auth_token) nothing is reachable.
     outsider = {**env, "HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}

@@ -94,7 +94,9 @@ def test_export_is_a_servable_draft_folder(trained):
 
 def test_rerun_resumes_the_step_count_and_the_loss_curve(trained):
     output_dir, _, first = trained
-    run_job(job(output_dir, f"train.steps={STEPS + 20}", "eval.enabled=false"))
+    # The HF backend (quick to start): the supervision equals vLLM's, resuming is the subject.
+    run_job(job(output_dir, f"train.steps={STEPS + 20}", "eval.enabled=false",
+                "target.backend=hf"))
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     resumed = metrics[len(first):]
     assert [m["step"] for m in resumed] == [STEPS + 10, STEPS + 20]
@@ -158,8 +160,9 @@ def test_the_printed_serve_command_serves_what_the_evaluation_served(trained):
 
 def test_a_supervision_cache_trains_without_a_pool_and_refuses_another_target(
         local_ray, tmp_path, monkeypatch, qwen3_path):
-    """`eagle-ray cache` writes the pool's supervision (fp8); training from it starts no pool and
-    reads no data, and a job meant for another target refuses the cache."""
+    """`eagle-ray cache` writes the pool's supervision (fp8; an HF pool, quick to start: fp8 is
+    encoded the same for every backend); training from it starts no pool and reads no data, and
+    a job meant for another target refuses the cache."""
     import torch
 
     from eagle_ray import train
@@ -168,6 +171,7 @@ def test_a_supervision_cache_trains_without_a_pool_and_refuses_another_target(
     from eagle_ray.supervision_cache import SupervisionCache
 
     cached = ["data.num_samples=60", "regenerate.enabled=false", "eval.enabled=false",
+              "target.backend=hf",
               "train.loggers=[]", "train.steps=6", "train.log_every=3",
               "train.checkpoint_every=6", "run_name=from-cache", "target.encoding_dtype=fp8",
               f"data.supervision_cache={tmp_path / 'cache'}"]
