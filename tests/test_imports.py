@@ -118,6 +118,16 @@ def test_vllm_backend_module_does_not_import_vllm():
     assert result.stdout.strip() == "False"
 
 
+def test_managing_a_pool_imports_neither_torch_nor_transformers():
+    """`eagle-ray status | shutdown` answer in about a second, not after torch's import."""
+    code = ("import sys, eagle_ray.cli, eagle_ray.cluster\n"
+            "from eagle_ray.pool import TargetPool\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_the_batch_record_imports_nothing_of_the_package():
     modules = all_modules()
     assert imported_modules(modules["eagle_ray.target_batch"], set(modules)) == set()

@@ -1,10 +1,21 @@
 """The Ray target pool: replica actors in placement groups, a router actor, a client.
 
-Public API: `TargetPool`, `PoolConfig`, `PoolClient`, `ClientConfig`, `MicroBatchFailed`.
+Public API: `TargetPool`, `PoolConfig`, `PoolClient`, `ClientConfig`, `MicroBatchFailed`. The
+client (and with it torch) is imported on first use: managing a pool (`eagle-ray status`,
+`shutdown`) needs neither.
 """
 
+from typing import Any
+
 from eagle_ray.config.pool import ClientConfig, PoolConfig
-from eagle_ray.pool.client import MicroBatchFailed, PoolClient
 from eagle_ray.pool.pool import TargetPool
 
 __all__ = ["ClientConfig", "MicroBatchFailed", "PoolClient", "PoolConfig", "TargetPool"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("MicroBatchFailed", "PoolClient"):
+        from eagle_ray.pool import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import RayActorError
@@ -12,7 +12,6 @@ from ray.util.placement_group import remove_placement_group
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.identity import TargetIdentity
-from eagle_ray.pool.client import PoolClient
 from eagle_ray.pool.controller import PoolController
 from eagle_ray.pool.placement import replica_bundles
 from eagle_ray.pool.replicas import (
@@ -22,6 +21,9 @@ from eagle_ray.pool.replicas import (
     start_replica,
 )
 from eagle_ray.pool.router import PoolRouter
+
+if TYPE_CHECKING:
+    from eagle_ray.pool.client import PoolClient
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +157,8 @@ class TargetPool:
 
     def client(self, config: ClientConfig | None = None) -> PoolClient:
         """A client for this process (training workers use `PoolClient.connect` instead)."""
+        from eagle_ray.pool.client import PoolClient  # torch: not needed to manage a pool
+
         return PoolClient.connect(self.config.name, self.config.namespace, config)
 
     def shutdown(self) -> None:

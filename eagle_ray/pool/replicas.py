@@ -13,7 +13,6 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from eagle_ray.config.pool import PoolConfig
 from eagle_ray.pool.placement import create_replica_placement_group, replica_actor_options
-from eagle_ray.pool.replica import TargetReplica
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +20,10 @@ logger = logging.getLogger(__name__)
 @functools.cache
 def replica_actor_class(concurrency: int):
     """The replica actor class accepting `concurrency` micro-batches at once (merged by its
-    EngineQueue); health probes run beside them. (Ray takes concurrency groups only here.)"""
+    EngineQueue); health probes run beside them. (Ray takes concurrency groups only here.)
+    Imported here: the replica brings torch, which `eagle-ray status | shutdown` do without."""
+    from eagle_ray.pool.replica import TargetReplica
+
     return ray.remote(concurrency_groups={"generate": concurrency, "health": 1})(TargetReplica)
 
 
