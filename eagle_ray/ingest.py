@@ -206,9 +206,9 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, model_path: str,
     max_length = min(data.max_length, served.max_length or data.max_length)
     rows = tokenized(source, model_path, max_length, served.vocab_size, data.overlong,
                      data.cpus_per_task, data.tokenize_workers)
+    budget = CACHE_SHARE * _object_store_bytes()  # bytes the kept rows may take
     input_bytes = _input_bytes(regenerated["file"] if regenerated else data.path, source)
-    keep = input_bytes is not None \
-        and input_bytes * TOKENIZED_BYTES_PER_INPUT_BYTE < CACHE_SHARE * _object_store_bytes()
+    keep = input_bytes is not None and input_bytes * TOKENIZED_BYTES_PER_INPUT_BYTE < budget
     if keep:
         # One tokenising execution serves the counting pass and every epoch (each execution
         # starts its readers and tokenising actors: ~15 s on a 2-core machine).
@@ -227,7 +227,7 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, model_path: str,
                                                 count, served.vocab_size, data.draft_vocab_size)
     logger.info("data: %s (max_length %d); %d held out", statuses, max_length, len(held))
     train = training_rows(rows, held_keys, data.cpus_per_task)
-    if keep or statuses["training_tokens"] * BYTES_PER_TOKEN < CACHE_SHARE * _object_store_bytes():
+    if keep or statuses["training_tokens"] * BYTES_PER_TOKEN < budget:
         # Small enough to keep: later epochs then neither re-read nor re-tokenise (a new
         # execution per epoch starts a tokenising actor and leaves the trainers waiting).
         logger.info("keeping the tokenised training rows in the object store (%.1f MiB)",
