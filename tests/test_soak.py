@@ -13,7 +13,7 @@ def test_every_fault_kind_while_streaming_loses_and_duplicates_nothing():
     ray.init(num_cpus=8, object_store_memory=300 * 2**20, include_dashboard=False,
              namespace="eagle_ray_bench")
     try:
-        report = run_phase(seconds=15, clients=3, faults=True, seed=7, cycle_faults=True)
+        report = run_phase(seconds=10, clients=3, faults=True, seed=7, cycle_faults=True)
     finally:
         ray.shutdown()
     assert report["delivered"] > 100

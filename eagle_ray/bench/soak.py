@@ -128,8 +128,10 @@ def run_phase(seconds: float, clients: int, faults: bool, seed: int,
               cycle_faults: bool = False) -> dict[str, Any]:
     """One soak phase on a fresh pool; returns the clients' totals and the faults injected.
 
-    Faults come in random order, or with `cycle_faults` in turn (each waiting until it applies),
-    so that a short run injects every kind.
+    Faults come in random order, or with `cycle_faults` in turn (each waiting until it applies);
+    a cycling phase then lasts `seconds` and at least until every kind was injected once, so a
+    short run on a slow machine still covers them all (a replica restart can hold up the next
+    fault that needs two ready replicas).
     """
     name = f"soak-{'faults' if faults else 'clean'}-{seed}"
     pool = TargetPool.create(PoolConfig(
@@ -151,7 +153,10 @@ def run_phase(seconds: float, clients: int, faults: bool, seed: int,
             time.sleep(0.2)
         tokens_at_start = sum(ray.get([a.progress.remote() for a in actors], timeout=60))
         started = time.monotonic()
-        while time.monotonic() - started < seconds:
+        while time.monotonic() - started < seconds or (cycle_faults and faults
+                                                       and not all(injected.values())):
+            if time.monotonic() - started > seconds + 300:
+                raise TimeoutError(f"soak: faults still not applicable after 300 s: {injected}")
             time.sleep(rng.uniform(0.5, 1.5))
             _resume_due(pool, stopped)
             if faults:
