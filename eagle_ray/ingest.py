@@ -6,6 +6,8 @@ conversation with the target's chat template (`eagle_ray.chat`) on the cluster's
 what happened to it; the workers read their shard with `ray.train.get_dataset_shard` and build
 token-budget micro-batches (`eagle_ray.data.token_budget_micro_batches`). The driver makes one
 streaming pass (`count_answers`) for the draft vocabulary and the counts, cached beside it.
+Small inputs (`data.tokenize_in_driver_mb`) are tokenised by the same stage in the driver
+(`tokenized_in_driver`): the same rows, without starting tokenising actors.
 
 Held-out evaluation conversations are the first `eval_samples` of the dataset (deterministic),
 removed from training by content.
@@ -28,7 +30,7 @@ import ray.data
 import torch
 
 from eagle_ray.chat import conversation_key, conversation_messages
-from eagle_ray.config import ConfigError, JobConfig
+from eagle_ray.config import ConfigError, DataConfig, JobConfig
 from eagle_ray.data import STATUSES, TRAINED, load_or_build_draft_vocab, tokenize_row
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.client import PoolClient
@@ -48,6 +50,7 @@ BYTES_PER_TOKEN = 16
 # Tokenised bytes per byte of chat file, an upper estimate (~4 bytes of text per token, 16 bytes
 # per token once tokenised, plus each row's key): known small data is tokenised once.
 TOKENIZED_BYTES_PER_INPUT_BYTE = 8
+TOKENIZE_BATCH_ROWS = 64
 
 
 def read_chats(paths: str | list[str] | None, num_samples: int, cpus_per_task: float):
@@ -110,10 +113,22 @@ def tokenized(dataset, model_path: str, max_length: int, vocab_size: int, overlo
     """`dataset` with the tokenisation stage added (lazy: nothing runs until it is read), on
     `workers` actors."""
     return dataset.map_batches(
-        TokenizeChats, batch_size=64, compute=ray.data.ActorPoolStrategy(size=workers),
+        TokenizeChats, batch_size=TOKENIZE_BATCH_ROWS,
+        compute=ray.data.ActorPoolStrategy(size=workers),
         num_cpus=cpus_per_task,
         fn_constructor_kwargs={"model_path": model_path, "max_length": max_length,
                                "vocab_size": vocab_size, "overlong": overlong})
+
+
+def tokenized_in_driver(dataset, stage: TokenizeChats):
+    """`tokenized`'s rows, made by `stage` in this process and put in the object store as
+    blocks (as `map_batches` makes them): for small data, where starting Ray Data's tokenising
+    actors (~15 s on a 2-core machine) costs more than the work."""
+    from ray.data.block import BlockAccessor
+
+    return ray.data.from_blocks([
+        BlockAccessor.batch_to_block(stage(batch))
+        for batch in dataset.iter_batches(batch_size=TOKENIZE_BATCH_ROWS, batch_format="numpy")])
 
 
 def held_out(dataset, count: int) -> list[list[dict[str, str]]]:
@@ -196,6 +211,8 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, model_path: str,
     ray.data.DataContext.get_current().enable_progress_bars = False
     data = config.data
     source = read_chats(data.path, data.num_samples, data.cpus_per_task)
+    if _fits_the_driver(_input_bytes(data.path, source), data):
+        source = source.materialize()  # read once for the held-out split and the tokenising
     held = held_out(source, data.eval_samples)
     held_keys = {conversation_key(m) for m in held}
     regenerated = None
@@ -204,15 +221,18 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, model_path: str,
                                                 output_dir)
         source = read_chats(str(path), 0, data.cpus_per_task)
     max_length = min(data.max_length, served.max_length or data.max_length)
-    rows = tokenized(source, model_path, max_length, served.vocab_size, data.overlong,
-                     data.cpus_per_task, data.tokenize_workers)
+    stage = (model_path, max_length, served.vocab_size, data.overlong)
     budget = CACHE_SHARE * _object_store_bytes()  # bytes the kept rows may take
     input_bytes = _input_bytes(regenerated["file"] if regenerated else data.path, source)
     keep = input_bytes is not None and input_bytes * TOKENIZED_BYTES_PER_INPUT_BYTE < budget
-    if keep:
-        # One tokenising execution serves the counting pass and every epoch (each execution
-        # starts its readers and tokenising actors: ~15 s on a 2-core machine).
-        rows = rows.materialize()
+    if _fits_the_driver(input_bytes, data):
+        rows, keep = tokenized_in_driver(source, TokenizeChats(*stage)), True
+    else:
+        rows = tokenized(source, *stage, data.cpus_per_task, data.tokenize_workers)
+        if keep:
+            # One tokenising execution serves the counting pass and every epoch (each execution
+            # starts its readers and tokenising actors: ~15 s on a 2-core machine).
+            rows = rows.materialize()
     cache_source = {"data": data.path, "num_samples": data.num_samples, "max_length": max_length,
                     "overlong": data.overlong, "eval_samples": data.eval_samples,
                     "target": served.fingerprint,
@@ -238,6 +258,10 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, model_path: str,
 
 def _object_store_bytes() -> float:
     return float(ray.cluster_resources().get("object_store_memory", 0.0))
+
+
+def _fits_the_driver(input_bytes: int | None, data: DataConfig) -> bool:
+    return input_bytes is not None and input_bytes <= data.tokenize_in_driver_mb * 2**20
 
 
 def _input_bytes(paths: str | list[str] | None, source) -> int | None:

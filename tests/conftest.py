@@ -15,8 +15,7 @@ FAMILY_TOKENIZERS = {"llama3.1": LLAMA_3_1_TOKENIZER, "qwen3": QWEN_3_TOKENIZER,
                      "mistral": MISTRAL_V3_TOKENIZER, "kit": KIT_TOKENIZER}
 # (architecture, tokenizer, padded vocabulary or None): checkpoints shaped like the targets people
 # train drafts for; Qwen3's vocabulary is padded past its tokenizer, as Qwen3-8B's is.
-FAMILY_CHECKPOINTS = {"llama3.1": ("llama", "llama3.1", None),
-                      "qwen3": ("qwen3", "qwen3", 1088),
+FAMILY_CHECKPOINTS = {"qwen3": ("qwen3", "qwen3", 1088),
                       "mistral": ("mistral", "mistral", None)}
 
 

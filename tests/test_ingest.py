@@ -1,6 +1,7 @@
 """Ray Data ingest: JSONL and Parquet stream through tokenisation to the same rows the in-memory
-path makes; held-out conversations are split off deterministically and never trained on;
-trainers get disjoint shards; the driver's counting pass equals the in-memory counts."""
+path (and the driver's, for small data) makes; held-out conversations are split off
+deterministically and never trained on; trainers get disjoint shards; the driver's counting pass
+equals the in-memory counts."""
 
 import json
 import threading
@@ -12,7 +13,15 @@ from transformers import AutoTokenizer
 
 from eagle_ray.chat import conversation_key
 from eagle_ray.data import answer_token_counts, tokenize_chats
-from eagle_ray.ingest import count_answers, held_out, read_chats, tokenized, training_rows
+from eagle_ray.ingest import (
+    TokenizeChats,
+    count_answers,
+    held_out,
+    read_chats,
+    tokenized,
+    tokenized_in_driver,
+    training_rows,
+)
 from eagle_ray.tiny import generate_chat_samples
 
 from pool_helpers import running_ray
@@ -48,11 +57,21 @@ def test_files_give_the_rows_of_the_in_memory_path(files, llama_path, shape):
     tokenizer = AutoTokenizer.from_pretrained(llama_path)
     vocab = len(tokenizer)
     streamed = tokenized(read_chats(files[shape], 0, 0.25), str(llama_path), MAX_LENGTH, vocab,
-                         "truncate", 0.25)
+                         "truncate", 0.25).materialize()  # one execution for the comparisons
     in_memory = tokenize_chats([(str(i), s["messages"]) for i, s in enumerate(SAMPLES)],
                                tokenizer, MAX_LENGTH, vocab)
     assert in_memory.counts()["truncated"] > 0, "the test covers truncation"
     assert sorted(rows_of(training_rows(streamed, set()))) == sorted(in_memory.rows)
+    # Small data tokenised in the driver (`data.tokenize_in_driver_mb`): the same rows, columns
+    # and statuses as the Ray Data stage makes.
+    in_driver = tokenized_in_driver(read_chats(files[shape], 0, 0.25),
+                                    TokenizeChats(str(llama_path), MAX_LENGTH, vocab, "truncate"))
+    assert in_driver.schema().names == streamed.schema().names
+    assert sorted((r["key"], r["status"], r["length"], list(r["input_ids"]))
+                  for r in in_driver.iter_rows()) == \
+        sorted((r["key"], r["status"], r["length"], list(r["input_ids"]))
+               for r in streamed.iter_rows())
+    assert sorted(rows_of(training_rows(in_driver, set()))) == sorted(in_memory.rows)
 
 
 def test_held_out_conversations_are_the_first_and_never_trained_on(files, llama_path):

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle_ray.tiny import cache_root
+from eagle_ray.draft.export import exported_target
+from eagle_ray.identity import checkpoint_fingerprint
+from eagle_ray.tiny import cache_root, tiny_target
 
 from ray_heads import BIN, agent_port_args, free_port, short_temp_dir, stop_head
 
@@ -85,10 +87,13 @@ def assert_a_clean_console(result: subprocess.CompletedProcess) -> str:
 
 def test_serve_then_ray_job_submit_trains_on_the_shared_pool_then_status_and_shutdown(
         head_node, tmp_path):
-    """The cluster path end to end; one job (a job making its own pool is test_train's)."""
+    """The cluster path end to end; one job, which adopts the pool's aux layer ids (a job
+    making its own pool is test_train's)."""
     env, addresses = head_node
     gcs = ["--address", addresses["gcs"]]
-    served = eagle_ray(env, "serve", *gcs, "name=shared", "dtype=float32")
+    # Non-default aux ids: the job joining the pool must adopt what the pool serves.
+    served = eagle_ray(env, "serve", *gcs, "name=shared", "dtype=float32",
+                       "aux_layer_ids=[0, 2, 5]")
     assert served.returncode == 0, served.stderr[-3000:]
     assert json.loads(served.stdout)["ready_replicas"] == 1
     output_dir = tmp_path / "run"
@@ -99,7 +104,11 @@ def test_serve_then_ray_job_submit_trains_on_the_shared_pool_then_status_and_shu
                     f"output_dir={output_dir}", "run_name=shared-test")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "succeeded" in result.stdout
-    assert (output_dir / "draft" / "config.json").exists()
+    exported = json.loads((output_dir / "draft" / "config.json").read_text())
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]  # the pool's [0, 2, 5]
+    trained_for = exported_target(output_dir / "draft")
+    assert trained_for.aux_layer_ids == (0, 2, 5)
+    assert trained_for.fingerprint == checkpoint_fingerprint(tiny_target("llama", pretrained=True))
     assert len((output_dir / "metrics.jsonl").read_text().splitlines()) == 2
     console = assert_a_clean_console(result)
     assert "eagle_ray run shared-test -- summary" in console

@@ -30,6 +30,9 @@ class DataConfig:
     shuffle_window: int = 256  # rows sorted by length together, then packed into micro-batches
     cpus_per_task: float = 0.1  # CPUs of each Ray Data task or actor (reading, tokenising)
     tokenize_workers: int = 1  # Ray Data actors tokenising in parallel (scale with the data)
+    # Inputs of known size up to this (local files, generated data) are tokenised in the driver:
+    # starting Ray Data's readers and tokenising actors costs more than the work. 0: never.
+    tokenize_in_driver_mb: float = 16.0
     draft_vocab_size: int = 32000  # = the target's vocabulary: a full-vocabulary draft
     eval_samples: int = 16  # the first N conversations are held out for evaluation
     # A folder for the pool's supervision (`eagle-ray cache` writes it; training then reads it
