@@ -46,6 +46,15 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def one_replica():
+    """A default one-replica pool for tests that neither break nor reconfigure it (each uses
+    its own client): one replica start instead of one per test."""
+    pool = synthetic_pool("one-replica", replicas=1)
+    yield pool
+    pool.shutdown()
+
+
 @pytest.fixture
 def gate(tmp_path):
     """A file that holds the synthetic replicas' calls while it exists."""
@@ -84,19 +93,16 @@ def test_leases_pass_from_micro_batch_to_micro_batch_and_the_router_hears_of_eve
         pool.shutdown()
 
 
-def test_inputs_reused_by_the_caller_after_submit_are_served_as_submitted():
-    pool = synthetic_pool("snapshot", replicas=1)
-    try:
-        client = pool.client()
-        inputs = micro_batches(1, seed=3)[0]
-        original = tuple(t.clone() for t in inputs)
-        # A fresh client holds no spare lease: the replica is called only once the router's
-        # grant is read, inside result(), after the caller has overwritten its buffer.
-        micro_batch_id = client.submit(*inputs)
-        inputs[0].fill_(7)
-        assert is_correct(original, client.result(micro_batch_id))
-    finally:
-        pool.shutdown()
+def test_inputs_reused_by_the_caller_after_submit_are_served_as_submitted(one_replica):
+    pool = one_replica
+    client = pool.client()
+    inputs = micro_batches(1, seed=3)[0]
+    original = tuple(t.clone() for t in inputs)
+    # A fresh client holds no spare lease: the replica is called only once the router's
+    # grant is read, inside result(), after the caller has overwritten its buffer.
+    micro_batch_id = client.submit(*inputs)
+    inputs[0].fill_(7)
+    assert is_correct(original, client.result(micro_batch_id))
 
 
 def test_results_match_inputs_in_order_and_both_replicas_work():
@@ -239,34 +245,28 @@ def test_backpressure_bounds_inflight_micro_batches_and_tokens():
         pool.shutdown()
 
 
-def test_a_window_full_of_unconsumed_results_is_a_clear_error():
-    pool = synthetic_pool("unconsumed", replicas=1)
-    try:
-        client = pool.client(ClientConfig(max_inflight_micro_batches=2))
-        inputs = micro_batches(3, seed=5)
-        client.submit(*inputs[0])
-        client.submit(*inputs[1])
-        with pytest.raises(RuntimeError, match="full of results nobody consumed"):
-            client.submit(*inputs[2])
-        assert is_correct(inputs[0], client.next_result()[1])
-    finally:
-        pool.shutdown()
+def test_a_window_full_of_unconsumed_results_is_a_clear_error(one_replica):
+    pool = one_replica
+    client = pool.client(ClientConfig(max_inflight_micro_batches=2))
+    inputs = micro_batches(3, seed=5)
+    client.submit(*inputs[0])
+    client.submit(*inputs[1])
+    with pytest.raises(RuntimeError, match="full of results nobody consumed"):
+        client.submit(*inputs[2])
+    assert is_correct(inputs[0], client.next_result()[1])
 
 
-def test_bad_input_is_rejected_at_the_client_before_it_travels():
-    pool = synthetic_pool("bad-input", replicas=1)
-    try:
-        client = pool.client()
-        ids, attention, loss = micro_batches(1, seed=6)[0]
-        with pytest.raises(TypeError, match="integer token ids"):
-            client.submit(ids.float(), attention, loss)
-        with pytest.raises(ValueError, match=r"\[0, 1024\)"):
-            client.submit(ids + 2000, attention, loss)
-        with pytest.raises(ValueError, match="empty micro-batch"):
-            client.submit(ids[:0], attention[:0], loss[:0])
-        assert client.stats["submitted"] == 0
-    finally:
-        pool.shutdown()
+def test_bad_input_is_rejected_at_the_client_before_it_travels(one_replica):
+    pool = one_replica
+    client = pool.client()
+    ids, attention, loss = micro_batches(1, seed=6)[0]
+    with pytest.raises(TypeError, match="integer token ids"):
+        client.submit(ids.float(), attention, loss)
+    with pytest.raises(ValueError, match=r"\[0, 1024\)"):
+        client.submit(ids + 2000, attention, loss)
+    with pytest.raises(ValueError, match="empty micro-batch"):
+        client.submit(ids[:0], attention[:0], loss[:0])
+    assert client.stats["submitted"] == 0
 
 
 def test_a_self_check_failure_stops_the_stream_at_once_with_its_message():
@@ -336,22 +336,19 @@ def test_a_replica_is_drained_with_leases_out_and_an_added_one_serves(gate):
         pool.shutdown()
 
 
-def test_results_read_from_the_object_store_are_read_only_views_of_the_contract():
-    pool = synthetic_pool("contract", replicas=1)
-    try:
-        client = pool.client()
-        batch = client.result(client.submit(*micro_batches(1, seed=10)[0]))
-        assert batch.encoding == "last_hidden"
-        assert batch.aux_hidden_states.dtype == torch.float32
-        assert batch.input_ids.dtype == torch.int64
-        payload = ray.get(replica_handle(pool, 0).generate.remote(
-            0, tuple(t.numpy() for t in micro_batches(1, seed=10)[0])), timeout=TIMEOUT_S)
-        viewed = batch_from_numpy(payload)
-        array = payload["aux_hidden_states"][0]
-        assert not array.flags.writeable, "object-store memory is read-only"
-        assert viewed.aux_hidden_states.data_ptr() == array.ctypes.data, "mapped, not copied"
-    finally:
-        pool.shutdown()
+def test_results_read_from_the_object_store_are_read_only_views_of_the_contract(one_replica):
+    pool = one_replica
+    client = pool.client()
+    batch = client.result(client.submit(*micro_batches(1, seed=10)[0]))
+    assert batch.encoding == "last_hidden"
+    assert batch.aux_hidden_states.dtype == torch.float32
+    assert batch.input_ids.dtype == torch.int64
+    payload = ray.get(replica_handle(pool, 0).generate.remote(
+        0, tuple(t.numpy() for t in micro_batches(1, seed=10)[0])), timeout=TIMEOUT_S)
+    viewed = batch_from_numpy(payload)
+    array = payload["aux_hidden_states"][0]
+    assert not array.flags.writeable, "object-store memory is read-only"
+    assert viewed.aux_hidden_states.data_ptr() == array.ctypes.data, "mapped, not copied"
 
 
 def test_bf16_supervision_round_trips_through_the_object_store_bit_for_bit():
