@@ -3,6 +3,9 @@ and family-shaped tokenizers and checkpoints (stock chat templates) once per ses
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -63,3 +66,21 @@ def family_checkpoints(tmp_path_factory):
                                           tokenizer_spec=FAMILY_TOKENIZERS[tokenizer],
                                           vocab_size=vocab_size)
     return paths
+
+
+_exit_status = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _exit_status["value"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the process with the session's status once every report is written: the
+    interpreter's own teardown of native threads left by vLLM, torch and Ray's core worker can
+    segfault after a run is decided (CI saw it once), and turn its result into a crash."""
+    if "value" in _exit_status:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status["value"])
