@@ -33,16 +33,10 @@ def vllm_llama(llama_path):
 
 
 @pytest.fixture(scope="module")
-def vllm_qwen3(qwen3_path):
-    target = VLLMEagle3TargetModel.from_pretrained(qwen3_path, dtype="float32", multiprocess=True)
-    yield target
-    target.shutdown()
-
-
-@pytest.fixture(scope="module")
 def padded_qwen3(family_checkpoints):
-    """The Qwen3-shaped checkpoint (vocabulary padded past its tokenizer) on an engine that splits
-    prompts into 64-token prefill chunks, and its HF reference."""
+    """The Qwen3-shaped checkpoint (vocabulary padded past its tokenizer) on a multiprocess engine
+    (shared-memory hand-off) that splits prompts into 64-token prefill chunks, and its HF
+    reference."""
     path = family_checkpoints["qwen3"]
     target = VLLMEagle3TargetModel.from_pretrained(
         path, dtype="float32", multiprocess=True,
@@ -71,12 +65,6 @@ def test_llama_equals_hf_on_mixed_length_batches(vllm_llama, hf_llama, lengths):
     batch = vllm_llama.generate_batch(*batch_args)
     reference = hf_llama.generate_batch(*batch_args)
     assert_matches_reference(batch, reference, hf_llama.get_target_head())
-
-
-def test_qwen3_equals_hf(vllm_qwen3, hf_qwen3):
-    batch_args = random_micro_batch(vllm_qwen3.vocab_size, (12, 40, 7))
-    assert_matches_reference(vllm_qwen3.generate_batch(*batch_args),
-                             hf_qwen3.generate_batch(*batch_args), hf_qwen3.get_target_head())
 
 
 def test_padded_vocabulary_qwen3_equals_hf(padded_qwen3, family_checkpoints):
@@ -110,12 +98,13 @@ def test_repeated_calls_give_the_same_result_and_leave_nothing_behind(vllm_llama
     assert not runner.llm.llm_engine.engine_core.engine_core.scheduler.has_requests()
 
 
-def test_multiprocess_handoff_goes_through_one_shared_memory_ring_and_cleans_up(vllm_qwen3):
-    runner = vllm_qwen3.runner
+def test_multiprocess_handoff_goes_through_one_shared_memory_ring_and_cleans_up(padded_qwen3):
+    target, _ = padded_qwen3
+    runner = target.runner
     assert isinstance(runner.handoff, ShmRingHandoff) and runner.handoff.directory == SHM_DIR
-    first = vllm_qwen3.generate_batch(*random_micro_batch(vllm_qwen3.vocab_size, (5, 9)))
+    first = target.generate_batch(*random_micro_batch(target.vocab_size, (5, 9)))
     for _ in range(3):  # the ring's stretches are reused; results stay right
-        again = vllm_qwen3.generate_batch(*random_micro_batch(vllm_qwen3.vocab_size, (5, 9)))
+        again = target.generate_batch(*random_micro_batch(target.vocab_size, (5, 9)))
         assert torch.equal(again.aux_hidden_states, first.aux_hidden_states)
     leftovers = [f for f in os.listdir(SHM_DIR) if f.startswith(runner.key_prefix)]
     assert leftovers == [ring_name(runner.key_prefix)], "the ring alone, no request records"
@@ -130,8 +119,8 @@ def test_embedding_and_head_come_from_the_checkpoint(vllm_llama, hf_llama):
     assert torch.equal(head.norm.weight, reference.norm.weight)
 
 
-def test_explicit_aux_ids_equal_hf_and_a_killed_engines_ring_does_not_leak(llama_path,
-                                                                            hf_llama):
+def test_tensor_parallel_two_with_explicit_aux_ids_equals_hf_and_sweeps_a_killed_ring(
+        llama_path, hf_llama):
     def ours():  # vLLM and torch keep their own entries there too
         return {name for name in os.listdir(SHM_DIR) if name.startswith("eagle_ray-")}
     before = ours()
@@ -142,28 +131,17 @@ def test_explicit_aux_ids_equal_hf_and_a_killed_engines_ring_does_not_leak(llama
     assert len(ours() - before) == 1
     # ... and the next engine on the machine sweeps it.
     target = VLLMEagle3TargetModel.from_pretrained(llama_path, aux_layer_ids=[0, 2, 5],
-                                                   dtype="float32", multiprocess=True)
+                                                   dtype="float32", tp_size=2)
     assert ours() - before == {ring_name(target.runner.key_prefix)}
     try:
         reference_backend = HFEagle3TargetModel(hf_llama.model, aux_layer_ids=[0, 2, 5])
-        batch_args = random_micro_batch(target.vocab_size, (10, 25))
+        batch_args = random_micro_batch(target.vocab_size, (18, 6, 29))
         assert_matches_reference(target.generate_batch(*batch_args),
                                  reference_backend.generate_batch(*batch_args),
                                  hf_llama.get_target_head())
     finally:
         target.shutdown()
     assert ours() - before == set(), "shutdown removes the ring"
-
-
-def test_tensor_parallel_two_equals_hf(llama_path, hf_llama):
-    target = VLLMEagle3TargetModel.from_pretrained(llama_path, dtype="float32", tp_size=2)
-    try:
-        batch_args = random_micro_batch(target.vocab_size, (18, 6, 29))
-        assert_matches_reference(target.generate_batch(*batch_args),
-                                 hf_llama.generate_batch(*batch_args),
-                                 hf_llama.get_target_head())
-    finally:
-        target.shutdown()
 
 
 def test_bfloat16_agrees_with_fp32_reference_within_bf16_precision(llama_path, hf_llama):
