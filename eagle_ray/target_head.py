@@ -7,9 +7,13 @@ logits); the trainer decodes it with this head. It holds the target's *own* modu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+
+if TYPE_CHECKING:  # annotations only: a replica serving a non-HF backend need not import it
+    from transformers import PretrainedConfig, PreTrainedModel
 
 
 class TargetHead(nn.Module):
