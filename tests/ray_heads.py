@@ -12,10 +12,19 @@ import psutil
 BIN = Path(sys.executable).parent  # the environment's ray / eagle-ray / python
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and never handed out before by this process: the OS offers a port just
+    closed again, and a head given the same port twice fails to start (seen in a full run)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def stop_head(temp_dir: str, gcs_address: str) -> None:
