@@ -211,7 +211,8 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, model_path: str,
     ray.data.DataContext.get_current().enable_progress_bars = False
     data = config.data
     source = read_chats(data.path, data.num_samples, data.cpus_per_task)
-    if _fits_the_driver(_input_bytes(data.path, source), data):
+    input_bytes = _input_bytes(data.path, source)
+    if _fits_the_driver(input_bytes, data):
         source = source.materialize()  # read once for the held-out split and the tokenising
     held = held_out(source, data.eval_samples)
     held_keys = {conversation_key(m) for m in held}
@@ -220,15 +221,15 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, model_path: str,
         path, regenerated = regenerate_job_data(config, served, tokenizer, client, held_keys,
                                                 output_dir)
         source = read_chats(str(path), 0, data.cpus_per_task)
+        input_bytes = _input_bytes(str(path), source)
     max_length = min(data.max_length, served.max_length or data.max_length)
     stage = (model_path, max_length, served.vocab_size, data.overlong)
     budget = CACHE_SHARE * _object_store_bytes()  # bytes the kept rows may take
-    input_bytes = _input_bytes(regenerated["file"] if regenerated else data.path, source)
-    keep = input_bytes is not None and input_bytes * TOKENIZED_BYTES_PER_INPUT_BYTE < budget
     if _fits_the_driver(input_bytes, data):
         rows, keep = tokenized_in_driver(source, TokenizeChats(*stage)), True
     else:
         rows = tokenized(source, *stage, data.cpus_per_task, data.tokenize_workers)
+        keep = input_bytes is not None and input_bytes * TOKENIZED_BYTES_PER_INPUT_BYTE < budget
         if keep:
             # One tokenising execution serves the counting pass and every epoch (each execution
             # starts its readers and tokenising actors: ~15 s on a 2-core machine).

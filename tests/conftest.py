@@ -68,11 +68,11 @@ def family_checkpoints(tmp_path_factory):
     return paths
 
 
-_exit_status = {}
+EXIT_STATUS = pytest.StashKey[int]()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    _exit_status["value"] = int(exitstatus)
+    session.config.stash[EXIT_STATUS] = int(exitstatus)
 
 
 @pytest.hookimpl(trylast=True)
@@ -80,7 +80,7 @@ def pytest_unconfigure(config):
     """End the process with the session's status once every report is written: the
     interpreter's own teardown of native threads left by vLLM, torch and Ray's core worker can
     segfault after a run is decided (CI saw it once), and turn its result into a crash."""
-    if "value" in _exit_status:
+    if EXIT_STATUS in config.stash:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(_exit_status["value"])
+        os._exit(config.stash[EXIT_STATUS])

@@ -47,7 +47,7 @@ def local_ray():
 
 
 @pytest.fixture(scope="module")
-def one_replica():
+def one_replica_pool():
     """A default one-replica pool for tests that neither break nor reconfigure it (each uses
     its own client): one replica start instead of one per test."""
     pool = synthetic_pool("one-replica", replicas=1)
@@ -93,9 +93,8 @@ def test_leases_pass_from_micro_batch_to_micro_batch_and_the_router_hears_of_eve
         pool.shutdown()
 
 
-def test_inputs_reused_by_the_caller_after_submit_are_served_as_submitted(one_replica):
-    pool = one_replica
-    client = pool.client()
+def test_inputs_reused_by_the_caller_after_submit_are_served_as_submitted(one_replica_pool):
+    client = one_replica_pool.client()
     inputs = micro_batches(1, seed=3)[0]
     original = tuple(t.clone() for t in inputs)
     # A fresh client holds no spare lease: the replica is called only once the router's
@@ -245,9 +244,8 @@ def test_backpressure_bounds_inflight_micro_batches_and_tokens():
         pool.shutdown()
 
 
-def test_a_window_full_of_unconsumed_results_is_a_clear_error(one_replica):
-    pool = one_replica
-    client = pool.client(ClientConfig(max_inflight_micro_batches=2))
+def test_a_window_full_of_unconsumed_results_is_a_clear_error(one_replica_pool):
+    client = one_replica_pool.client(ClientConfig(max_inflight_micro_batches=2))
     inputs = micro_batches(3, seed=5)
     client.submit(*inputs[0])
     client.submit(*inputs[1])
@@ -256,9 +254,8 @@ def test_a_window_full_of_unconsumed_results_is_a_clear_error(one_replica):
     assert is_correct(inputs[0], client.next_result()[1])
 
 
-def test_bad_input_is_rejected_at_the_client_before_it_travels(one_replica):
-    pool = one_replica
-    client = pool.client()
+def test_bad_input_is_rejected_at_the_client_before_it_travels(one_replica_pool):
+    client = one_replica_pool.client()
     ids, attention, loss = micro_batches(1, seed=6)[0]
     with pytest.raises(TypeError, match="integer token ids"):
         client.submit(ids.float(), attention, loss)
@@ -336,14 +333,13 @@ def test_a_replica_is_drained_with_leases_out_and_an_added_one_serves(gate):
         pool.shutdown()
 
 
-def test_results_read_from_the_object_store_are_read_only_views_of_the_contract(one_replica):
-    pool = one_replica
-    client = pool.client()
+def test_results_read_from_the_object_store_are_read_only_views_of_the_contract(one_replica_pool):
+    client = one_replica_pool.client()
     batch = client.result(client.submit(*micro_batches(1, seed=10)[0]))
     assert batch.encoding == "last_hidden"
     assert batch.aux_hidden_states.dtype == torch.float32
     assert batch.input_ids.dtype == torch.int64
-    payload = ray.get(replica_handle(pool, 0).generate.remote(
+    payload = ray.get(replica_handle(one_replica_pool, 0).generate.remote(
         0, tuple(t.numpy() for t in micro_batches(1, seed=10)[0])), timeout=TIMEOUT_S)
     viewed = batch_from_numpy(payload)
     array = payload["aux_hidden_states"][0]
