@@ -1,8 +1,8 @@
 """The supervision record every backend returns, and the input checks every backend applies.
 
-This module is the contract's data layer: it imports nothing of eagle_ray (only torch), so every
-other module can import it and no import cycle can pass through it. The contract itself -- layer
-ids, shift, encodings -- is written down in `docs/contract.md`.
+This module is the contract's data layer: it imports nothing of eagle_ray (only torch and
+numpy), so every other module can import it and no import cycle can pass through it. The
+contract itself -- layer ids, shift, encodings -- is written down in `docs/contract.md`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import numpy as np
 import torch
 
 NUM_AUX_LAYERS = 3  # EAGLE-3 reads three target layers: low, middle, high
@@ -141,24 +142,29 @@ def validate_micro_batch(
             )
         if mask.is_floating_point() or mask.is_complex():
             raise TypeError(f"{name} must be an integer or bool tensor, got {mask.dtype}")
-        if not torch.all((mask == 0) | (mask == 1)):
+    # The value checks run on numpy views: a few microseconds per check where torch's dispatch
+    # costs tens, and they run for every micro-batch on the client and on the replica.
+    ids, attention, loss = (t.detach().cpu().numpy() for t in (input_ids, attention_mask,
+                                                               loss_mask))
+    for name, mask in (("attention_mask", attention), ("loss_mask", loss)):
+        if mask.dtype != np.bool_ and (mask.min() < 0 or mask.max() > 1):
             raise ValueError(f"{name} must hold only 0 and 1")
-    attended = attention_mask.bool()
-    lengths = attended.sum(dim=1)
-    if torch.any(lengths == 0):
-        rows = torch.nonzero(lengths == 0).flatten().tolist()
+    attended = attention.astype(bool, copy=False)
+    lengths = attended.sum(axis=1)
+    if not lengths.all():
+        rows = np.flatnonzero(lengths == 0).tolist()
         raise ValueError(f"rows {rows} have no tokens (attention_mask all zero); drop them")
-    right_padded = torch.arange(input_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    if not torch.equal(right_padded, attended):
+    right_padded = np.arange(ids.shape[1])[None, :] < lengths[:, None]
+    if not np.array_equal(right_padded, attended):
         raise ValueError(
             "attention_mask must be right-padded (each row: ones, then zeros); left padding or "
             "holes are not supported -- re-pad the rows on the right"
         )
-    if torch.any(loss_mask.bool() & ~attended):
+    if np.any(loss.astype(bool, copy=False) & ~attended):
         raise ValueError("loss_mask is set on padding slots (where attention_mask is 0)")
-    ids = input_ids[attended]
-    if torch.any(ids < 0) or torch.any(ids >= vocab_size):
-        bad = ids[(ids < 0) | (ids >= vocab_size)]
+    real = ids[attended]
+    if real.min() < 0 or real.max() >= vocab_size:
+        bad = real[(real < 0) | (real >= vocab_size)]
         raise ValueError(
             f"token ids must be in [0, {vocab_size}) (the target's vocabulary), found "
             f"{sorted(set(bad.tolist()))[:8]}; was the data tokenized with the target's tokenizer?"

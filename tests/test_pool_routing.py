@@ -26,6 +26,7 @@ from pool_helpers import (
     HIDDEN,
     TESTS_ON_WORKER_PATH,
     TIMEOUT_S,
+    VOCAB,
     TrainerStandIn,
     is_correct,
     micro_batches,
@@ -104,6 +105,42 @@ def test_inputs_reused_by_the_caller_after_submit_are_served_as_submitted(one_re
     assert is_correct(original, client.result(micro_batch_id))
 
 
+def test_micro_batches_leased_together_share_one_call_and_one_engine_call(one_replica_pool):
+    """A stream's first window is leased in one router call and sent in one replica call; the
+    replica merges it into one engine call."""
+    def engine():
+        return ray.get(replica_handle(one_replica_pool, 0).ready.remote(),
+                       timeout=TIMEOUT_S)["engine"]
+    before = engine()
+    client = one_replica_pool.client(ClientConfig(max_inflight_micro_batches=8))
+    inputs = micro_batches(8, seed=30)
+    results = list(client.stream(inputs))
+    assert all(is_correct(x, b) for x, b in zip(inputs, results, strict=True)), "in order"
+    assert client.stats["replica_calls"] == 1
+    after = engine()
+    assert (after["engine_calls"] - before["engine_calls"],
+            after["micro_batches"] - before["micro_batches"]) == (1, 8)
+
+
+def test_refills_gather_into_shared_calls_while_results_wait_for_the_caller(one_replica_pool):
+    client = one_replica_pool.client(ClientConfig(max_inflight_micro_batches=8))
+    inputs = micro_batches(40, seed=31)
+    results = list(client.stream(inputs))
+    assert all(is_correct(x, b) for x, b in zip(inputs, results, strict=True)), "in order"
+    # Each call's results arrive together, so the caller finds the next one waiting and refills
+    # gather up to half the window (4) before they go: about 1 + 32 / 4 calls, not 40.
+    assert client.stats["replica_calls"] <= 20, client.stats
+
+
+def test_a_bad_micro_batch_in_a_shared_call_fails_alone(one_replica_pool):
+    good, bad = (tuple(t.numpy() for t in b) for b in micro_batches(2, seed=32))
+    bad[0][0, 0] = VOCAB  # outside the target's vocabulary
+    answers = ray.get(replica_handle(one_replica_pool, 0).generate_many.remote([0, 1], good, bad),
+                      timeout=TIMEOUT_S)
+    assert is_correct(micro_batches(1, seed=32)[0], batch_from_numpy(answers[0]))
+    assert isinstance(answers[1], ValueError) and "vocabulary" in str(answers[1])
+
+
 def test_results_match_inputs_in_order_and_both_replicas_work():
     pool = synthetic_pool("order", backend_kwargs={"seconds_per_call": 0.02})
     try:
@@ -145,8 +182,9 @@ def test_killed_replica_loses_nothing_and_comes_back():
 
 
 def test_a_replica_killed_with_several_micro_batches_inside_loses_and_repeats_none(gate):
-    """A replica accepts several micro-batches at once (merged into engine calls); killed with
-    four inside, exactly those four are re-run elsewhere, and the stream keeps its order."""
+    """A replica accepts several micro-batches at once (in one call, merged into engine calls);
+    killed with four inside, exactly those four are re-run elsewhere, and the stream keeps its
+    order."""
     pool = synthetic_pool("kill-several", replica_concurrency=4,
                           backend_kwargs={"hold_while": str(gate)})
     try:
@@ -161,6 +199,7 @@ def test_a_replica_killed_with_several_micro_batches_inside_loses_and_repeats_no
             return ready["engine"]["inside"]
         wait_until(lambda: (inside(0), inside(1)) == (4, 4),
                    what="four micro-batches inside each replica, the engines held")
+        assert client.stats["replica_calls"] == 2, "the first window went in one call each"
         ray.kill(replica_handle(pool, 0), no_restart=False)
         wait_until(lambda: client.stats["retries"] == 4, what="the four lost ones re-run")
         gate.unlink()

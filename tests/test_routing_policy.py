@@ -1,7 +1,12 @@
-"""The router's choice of replica, as a pure policy: no Ray, no actors."""
+"""The router's choice of replica and the client's grouping of replica calls, as pure policies:
+no Ray, no actors."""
 
 import dataclasses
+import itertools
 
+from eagle_ray.pool.inflight import InFlightMicroBatch
+from eagle_ray.pool.replica_calls import group_calls
+from eagle_ray.pool.router_link import Lease
 from eagle_ray.pool.routing import choose_replica
 from eagle_ray.pool.states import ReplicaState
 
@@ -74,3 +79,36 @@ def test_locality_never_overrides_health_or_a_failed_attempt():
     assert choose(replicas, client_node="n1") == "a", "and back once it is ready again"
     assert choose(replicas, avoid=["a"], client_node="n1") == "b", "it failed this one: elsewhere"
 
+
+
+def leased(num_tokens: int, replica: str, method: str = "generate"):
+    """A micro-batch (as the client records it) leased on `replica`."""
+    item = InFlightMicroBatch(next(_ids), inputs=None, num_tokens=num_tokens, method=method)
+    return item, Lease(replica, f"actor-{replica}", num_tokens, expires=0.0)
+
+
+_ids = itertools.count()
+
+
+def test_micro_batches_leased_on_one_replica_at_once_share_a_call_in_order():
+    pairs = [leased(10, "a"), leased(10, "b"), leased(10, "a"), leased(10, "b"), leased(10, "a")]
+    calls = group_calls(pairs, max_micro_batches=8, max_tokens=1000)
+    assert [[lease.replica for _, lease in call] for call in calls] == [["a", "a", "a"],
+                                                                       ["b", "b"]]
+    assert [item for item, _ in calls[0]] == [pairs[0][0], pairs[2][0], pairs[4][0]], "in order"
+
+
+def test_a_call_holds_at_most_its_micro_batches_and_tokens_and_a_larger_one_goes_alone():
+    pairs = [leased(10, "a") for _ in range(5)]
+    assert [len(c) for c in group_calls(pairs, max_micro_batches=2, max_tokens=1000)] == [2, 2, 1]
+    pairs = [leased(60, "a"), leased(50, "a"), leased(500, "a"), leased(30, "a")]
+    assert [[i.num_tokens for i, _ in c] for c in group_calls(pairs, 8, max_tokens=100)] == [
+        [60], [50], [500], [30]]
+    assert [len(c) for c in group_calls(pairs, 1, max_tokens=10_000)] == [1, 1, 1, 1], \
+        "max_micro_batches_per_call: 1 is a call each"
+
+
+def test_text_generation_never_shares_a_call():
+    pairs = [leased(10, "a"), leased(10, "a", method="complete"), leased(10, "a")]
+    calls = group_calls(pairs, max_micro_batches=8, max_tokens=1000)
+    assert [[i.method for i, _ in c] for c in calls] == [["generate", "generate"], ["complete"]]

@@ -28,11 +28,14 @@ def _start_ray() -> None:
                  namespace=NAMESPACE, log_to_driver=False)
 
 
-def _stream_rate(pool: TargetPool, batches: list, window: int, clients: int = 1) -> float:
+def _stream_rate(pool: TargetPool, batches: list, window: int, clients: int = 1,
+                 per_call: int = 8) -> float:
     """Supervision tokens/s of `clients` clients (threads) each streaming `batches` through
-    `pool` at once."""
+    `pool` at once, at most `per_call` micro-batches a replica call."""
     streams = [pool.client(ClientConfig(max_inflight_micro_batches=window,
-                                        max_inflight_tokens=1 << 30)) for _ in range(clients)]
+                                        max_inflight_tokens=1 << 30,
+                                        max_micro_batches_per_call=per_call))
+               for _ in range(clients)]
     for client in streams:
         list(client.stream(batches[:2]))  # warm-up
     threads = [threading.Thread(target=lambda c=c: collections.deque(c.stream(batches), 0))
@@ -51,7 +54,9 @@ def run_overhead(model_path: str, shapes: list[tuple[int, int]], rounds: int = 3
     """Pool with one vLLM replica vs the same backend in this process, same micro-batches; and
     `clients` clients at once vs the in-process engine handed `clients` micro-batches as one
     call (the most the replica's merging can give). `serial` paths: a replica that takes one
-    micro-batch at a time (`replica_concurrency: 1`, the design before merging), side by side."""
+    micro-batch at a time (`replica_concurrency: 1`, clients calling once per micro-batch: the
+    design before merging), side by side; `call_each`: this replica, but one call per
+    micro-batch (`max_micro_batches_per_call: 1`, the design before shared calls)."""
     from eagle_ray.vllm_target import VLLMEagle3TargetModel
 
     _start_ray()
@@ -79,7 +84,9 @@ def run_overhead(model_path: str, shapes: list[tuple[int, int]], rounds: int = 3
                         rates[path].append(_stream_rate(pool, batches, window=4, clients=n))
                     busy[path].append(share[0])
                     rates[f"{path}_serial"].append(_stream_rate(serial, batches, window=4,
-                                                                clients=n))
+                                                                clients=n, per_call=1))
+                rates["pool_1_replica_call_each"].append(_stream_rate(pool, batches, window=4,
+                                                                      per_call=1))
                 start = time.perf_counter()
                 for b in batches:
                     direct.generate_batch(*b)
@@ -135,71 +142,88 @@ def _call_with_window(replica, inputs: list, window: int) -> None:
 class _StreamingClient:
     """A trainer stand-in for `run_router`: streams one small micro-batch `count` times."""
 
-    def __init__(self, pool_name: str, window: int) -> None:
+    def __init__(self, pool_name: str, window: int, per_call: int) -> None:
         from eagle_ray.pool import PoolClient
 
-        self.client = PoolClient.connect(pool_name, NAMESPACE,
-                                         ClientConfig(max_inflight_micro_batches=window))
+        self.client = PoolClient.connect(pool_name, NAMESPACE, ClientConfig(
+            max_inflight_micro_batches=window, max_micro_batches_per_call=per_call))
         self.batch = random_micro_batch(1024, (16,), seed=0)
 
-    def run(self, count: int, start_at: float) -> tuple[float, float]:
-        """(started, finished) wall-clock times of streaming `count` micro-batches."""
+    def run(self, count: int, start_at: float) -> tuple[float, float, int]:
+        """(started, finished) wall-clock times of streaming `count` micro-batches, and the
+        replica calls that took."""
         list(self.client.stream([self.batch] * 20))  # warm-up
         time.sleep(max(0.0, start_at - time.time()))
+        calls = self.client.stats["replica_calls"]
         started = time.time()
         collections.deque(self.client.stream([self.batch] * count), 0)
-        return started, time.time()
+        return started, time.time(), self.client.stats["replica_calls"] - calls
 
 
 def run_router(clients: tuple[int, ...] = (1, 4, 16), seconds: float = 10.0) -> None:
     """Micro-batches/s through zero-cost replicas from 1, 4, 16 clients at once (actors), and
-    the router's lease round trip measured from the driver while they stream."""
+    the router's lease round trip measured from the driver while they stream; each with the
+    micro-batches leased on a replica at once sharing a call (`max_micro_batches_per_call` 8)
+    and, side by side, a call each (1, the design before)."""
     _start_ray()
     pool = TargetPool.create(PoolConfig(backend=SYNTHETIC, name="bench-router", replicas=2,
                                         cpus_per_bundle=0.5, namespace=NAMESPACE,
                                         replica_concurrency=8,
                                         max_outstanding_tokens_per_replica=1 << 30))
     try:
-        rate_per_client = None
+        rate_per_client: dict[int, float] = {}
         for n in clients:
-            actors = [_StreamingClient.remote("bench-router", 16) for _ in range(n)]
-            count = int(seconds * (rate_per_client or 200) / n) + 20
-            start_at = time.time() + 5.0
-            runs = [a.run.remote(count, start_at) for a in actors]
-            time.sleep(max(0.0, start_at - time.time()) + 0.5)
-            before = pool.status()
-            router_cpu = psutil.Process(before["router"]["pid"]).cpu_times()
-            latencies = []
-            for i in range(200):
-                t0 = time.perf_counter()
-                name, _ = ray.get(pool.router.acquire.remote(i, 16, [], 10.0))
-                latencies.append(time.perf_counter() - t0)
-                ray.get(pool.router.release.remote(name, 16, True))
-            spans = ray.get(runs)
-            after = pool.status()
-            cpu_s = sum(psutil.Process(before["router"]["pid"]).cpu_times()[:2]) - sum(
-                router_cpu[:2])
-            served = n * count + 200  # the clients' micro-batches and the probe's leases
-            # The probe's 200 single leases (two calls each) are not the clients'.
-            calls = (after["lease_calls"] - before["lease_calls"] - 400) / (n * count)
-            rate = n * count / (max(e for _, e in spans) - min(s for s, _ in spans))
-            rate_per_client = rate_per_client or rate
-            latencies.sort()
-            emit("router", "micro_batches_per_s", round(rate, 1), "1/s", clients=n,
-                 replicas=2, backend="zero-cost",
-                 lease_ms_median=round(statistics.median(latencies) * 1e3, 3),
-                 lease_ms_p99=round(latencies[int(0.99 * len(latencies))] * 1e3, 3),
-                 router_calls_per_micro_batch=round(calls, 4),
-                 reused_lease_share=round(1 - (after["leases"] - before["leases"] - 200)
-                                          / (n * count), 3),
-                 # The router's own CPU per micro-batch (probe included): the rate one router
-                 # core sustains, whatever the clients and replicas on this machine manage.
-                 router_cpu_ms_per_micro_batch=round(cpu_s / served * 1e3, 4),
-                 router_capacity_micro_batches_per_s=round(served / cpu_s, 1))
-            for actor in actors:
-                ray.kill(actor)
+            rates = {}
+            for per_call in (1, 8):
+                count = int(seconds * rate_per_client.get(per_call, 200) / n) + 20
+                record = _router_round(pool, n, per_call, count)
+                rates[per_call] = record["rate"]
+                rate_per_client.setdefault(per_call, record["rate"])
+                emit("router", "micro_batches_per_s", round(record.pop("rate"), 1), "1/s",
+                     clients=n, replicas=2, backend="zero-cost",
+                     micro_batches_per_call=per_call, baseline="micro_batches_per_call=1",
+                     ratio=round(rates[per_call] / rates[1], 3), **record)
     finally:
         pool.shutdown()
+
+
+def _router_round(pool: TargetPool, n: int, per_call: int, count: int) -> dict:
+    """`n` streaming clients (at most `per_call` micro-batches a replica call) send `count`
+    micro-batches each; the rate, the lease probe's latency and the router's cost."""
+    actors = [_StreamingClient.remote("bench-router", 16, per_call) for _ in range(n)]
+    start_at = time.time() + 5.0
+    runs = [a.run.remote(count, start_at) for a in actors]
+    time.sleep(max(0.0, start_at - time.time()) + 0.5)
+    before = pool.status()
+    router_cpu = psutil.Process(before["router"]["pid"]).cpu_times()
+    latencies = []
+    for i in range(200):
+        t0 = time.perf_counter()
+        name, _ = ray.get(pool.router.acquire.remote(i, 16, [], 10.0))
+        latencies.append(time.perf_counter() - t0)
+        ray.get(pool.router.release.remote(name, 16, True))
+    spans = ray.get(runs)
+    after = pool.status()
+    for actor in actors:
+        ray.kill(actor)
+    cpu_s = sum(psutil.Process(before["router"]["pid"]).cpu_times()[:2]) - sum(router_cpu[:2])
+    served = n * count + 200  # the clients' micro-batches and the probe's leases
+    latencies.sort()
+    return {
+        "rate": n * count / (max(e for _, e, _ in spans) - min(s for s, _, _ in spans)),
+        "lease_ms_median": round(statistics.median(latencies) * 1e3, 3),
+        "lease_ms_p99": round(latencies[int(0.99 * len(latencies))] * 1e3, 3),
+        # The probe's 200 single leases (two calls each) are not the clients'.
+        "router_calls_per_micro_batch": round(
+            (after["lease_calls"] - before["lease_calls"] - 400) / (n * count), 4),
+        "replica_calls_per_micro_batch": round(sum(c for _, _, c in spans) / (n * count), 4),
+        "reused_lease_share": round(1 - (after["leases"] - before["leases"] - 200) / (n * count),
+                                    3),
+        # The router's own CPU per micro-batch (probe included): the rate one router core
+        # sustains, whatever the clients and replicas on this machine manage.
+        "router_cpu_ms_per_micro_batch": round(cpu_s / served * 1e3, 4),
+        "router_capacity_micro_batches_per_s": round(served / cpu_s, 1),
+    }
 
 
 def run_scaling(replica_counts: tuple[int, ...] = (1, 2, 4, 8),

@@ -134,3 +134,7 @@ class ClientConfig:
     # call for this long, then goes back (so new, drained and restarted replicas are seen); 0:
     # one lease per micro-batch.
     lease_reuse_s: float = 5.0
+    # Micro-batches leased on one replica at the same moment travel in one call (one Ray call
+    # each way instead of one per micro-batch; they merge on the engine anyway), up to this many
+    # and the replica's `max_tokens_per_engine_call`; 1: a call per micro-batch.
+    max_micro_batches_per_call: int = 8

@@ -2,10 +2,11 @@
 
 Per micro-batch: validate here (before anything travels), put large inputs in the object store
 once (small ones travel inside the call), get a lease (passed on from a finished micro-batch, or
-asked from the router in batches: `router_link`), call the leased replica directly, and read the
-result from the object store. The client owns every result, so it survives a router restart; it
-re-runs a micro-batch on another replica when its replica dies, times out or reports an engine
-error, and drops late duplicates. Results come back in submission order, exactly once.
+asked from the router in batches: `router_link`), call the leased replica directly (those leased
+on one replica at once share a call: `replica_calls`), and read the result from the object
+store. The client owns every result, so it survives a router restart; it re-runs a micro-batch
+on another replica when its replica dies, times out or reports an engine error, and drops late
+duplicates. Results come back in submission order, exactly once.
 
 Example:
     >>> client = PoolClient.connect("eagle_ray_pool", namespace="eagle_ray")  # doctest: +SKIP
@@ -25,11 +26,12 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from eagle_ray.config.pool import ClientConfig
+from eagle_ray.pool import replica_calls
 from eagle_ray.pool.failures import FailureKind, classify
-from eagle_ray.pool.inflight import InFlightMicroBatch, client_stats
+from eagle_ray.pool.inflight import InFlightMicroBatch, Window, client_stats
 from eagle_ray.pool.router import NoReplicaAvailable
 from eagle_ray.pool.router_link import ROUTER_RETRY_S, Lease, RouterLink, RouterUnavailable
 from eagle_ray.pool.states import MicroBatchPhase
@@ -66,8 +68,12 @@ class PoolClient:
         self.vocab_size = int(target_info["vocab_size"])
         self.node_id = router.node_id
         self.max_length = target_info.get("max_length")
+        self.max_tokens_per_call = int(target_info.get("max_tokens_per_engine_call", 0))
+        # While the pool is ahead of `stream`'s caller, refills gather into calls of this many.
+        self._gather = min(self.config.max_micro_batches_per_call,
+                           max(1, self.config.max_inflight_micro_batches // 2))
         self._ids = itertools.count()
-        self._inflight: collections.OrderedDict[int, InFlightMicroBatch] = collections.OrderedDict()
+        self._inflight = Window()
         self._fatal: BaseException | None = None  # a configuration error: every call raises it
         self.stats = client_stats()
 
@@ -161,7 +167,8 @@ class PoolClient:
 
     def stream(self, micro_batches: Iterable[MicroBatch]) -> Iterator[Eagle3TargetBatch]:
         """Supervision for each `(input_ids, attention_mask, loss_mask)`, in order, keeping up
-        to the in-flight window submitted ahead (target latency overlaps the caller's work)."""
+        to the in-flight window submitted ahead (target latency overlaps the caller's work).
+        While the next result is already there, refills wait to go together (`Window.ahead`)."""
         source = iter(micro_batches)
         upcoming = next(source, None)  # the next micro-batch, submitted once the window has room
         ready = None  # a result taken out of the window, handed over once the window is refilled
@@ -170,8 +177,9 @@ class PoolClient:
                 while upcoming is not None and self._has_room(int(upcoming[1].sum())):
                     self._queue(*upcoming)
                     upcoming = next(source, None)
-                self._ask_for_leases()  # spare leases, then one call for the rest (and reports)
-                self._settle(keep=sum(i.done for i in self._inflight.values()))  # refills
+                if upcoming is None or not self._inflight.ahead(self._gather):
+                    self._ask_for_leases()  # spare leases, then one call for the rest
+                    self._settle(keep=sum(i.done for i in self._inflight.values()))  # refills
                 if ready is not None:
                     yield ready
                 if not self._inflight:
@@ -187,10 +195,8 @@ class PoolClient:
     # ------------------------------------------------------------------ flow control
 
     def _has_room(self, num_tokens: int = 0) -> bool:
-        tokens = sum(i.num_tokens for i in self._inflight.values())
-        return (len(self._inflight) < self.config.max_inflight_micro_batches
-                and (not self._inflight
-                     or tokens + num_tokens <= self.config.max_inflight_tokens))
+        return self._inflight.has_room(self.config.max_inflight_micro_batches,
+                                       self.config.max_inflight_tokens, num_tokens)
 
     def _wait_for_room(self, num_tokens: int) -> None:
         started = time.monotonic()
@@ -213,19 +219,14 @@ class PoolClient:
     def _ask_for_leases(self) -> None:
         """Spare leases for the micro-batches waiting that they fit, and one router call for the
         others."""
-        for item, lease in self._router.ask(
-                [i for i in self._inflight.values()
-                 if i.phase is MicroBatchPhase.LEASING and i.lease_ref is None],
-                self.config.lease_timeout_s):
-            self.stats["reused_leases"] += 1
-            self._run(item, lease)
+        matched = self._router.ask(self._inflight.unsent(), self.config.lease_timeout_s)
+        self.stats["reused_leases"] += len(matched)
+        self._run(matched)
 
     def _settle(self, keep: int | None) -> None:
         """Spare leases kept for micro-batches about to come (`RouterLink.settle`); none while
         one of ours waits for the router: a spare it cannot take goes back to be granted."""
-        asking = any(i.phase is MicroBatchPhase.LEASING and i.lease_ref is not None
-                     for i in self._inflight.values())
-        self._router.settle(keep=0 if asking else keep)
+        self._router.settle(keep=0 if self._inflight.asking() else keep)
 
     def _pump(self, timeout: float) -> None:
         """Advance every in-flight micro-batch whose leases or result are ready."""
@@ -255,70 +256,66 @@ class PoolClient:
             if items[0].phase is MicroBatchPhase.LEASING:
                 self._on_leases(ref, items)
             else:
-                self._on_result(items[0])
+                self._on_results(ref, items)
 
     def _on_leases(self, ref: ray.ObjectRef, items: list[InFlightMicroBatch]) -> None:
         for item in items:
             item.lease_ref = None  # not granted: asked again next round
         try:
-            grants = ray.get(ref)
-        except RayActorError:  # the router is restarting (or was replaced): ask again shortly
-            logger.warning("router unreachable; retrying leases for %d micro-batch(es)",
-                           len(items))
+            leased = self._router.granted(ref, items)
+        except NoReplicaAvailable as e:
+            for item in items:
+                item.fail(MicroBatchFailed(str(e)))
+            return
+        if leased is None:  # the router is restarting (or was replaced): ask again shortly
             self.stats["router_retries"] += 1
             for item in items:
                 item.phase = MicroBatchPhase.BACKOFF
                 item.retry_lease_at = time.monotonic() + ROUTER_RETRY_S
-            self._router.reconnect()
             return
-        except RayTaskError as e:
-            cause = e.as_instanceof_cause()
-            if isinstance(cause, NoReplicaAvailable):
+        self._run(leased)
+
+    def _run(self, leased: list[tuple[InFlightMicroBatch, Lease]]) -> None:
+        """Call the leased replicas: one call per replica for the micro-batches leased on it
+        now (`replica_calls`)."""
+        for call in replica_calls.group_calls(leased, self.config.max_micro_batches_per_call,
+                                              self.max_tokens_per_call):
+            items = replica_calls.start(call, time.monotonic() + self.config.timeout_s)
+            try:
+                handle = self._router.replica(items[0].replica, items[0].lease.actor_id)
+            except ValueError:  # removed since the grant
                 for item in items:
-                    item.fail(MicroBatchFailed(str(cause)))
-                return
-            raise
-        for item, grant in zip(items, grants, strict=True):
-            if grant is not None:
-                self._run(item, self._router.lease(grant, item.num_tokens))
+                    self._attempt_failed(item, "replica removed", replica_died=False)
+                continue
+            replica_calls.send(handle, items)
+            self.stats["replica_calls"] += 1
 
-    def _run(self, item: InFlightMicroBatch, lease: Lease) -> None:
-        """Call the leased replica."""
-        item.phase, item.lease, item.replica = MicroBatchPhase.RUNNING, lease, lease.replica
-        item.attempts += 1
-        item.deadline = time.monotonic() + self.config.timeout_s
+    def _on_results(self, ref: ray.ObjectRef, items: list[InFlightMicroBatch]) -> None:
+        """The answer of one replica call, for each micro-batch it carried."""
         try:
-            handle = self._router.replica(lease.replica, lease.actor_id)
-        except ValueError:  # removed since the grant
-            self._attempt_failed(item, "replica removed", replica_died=False)
-            return
-        item.result_ref = getattr(handle, item.method).remote(item.micro_batch_id, item.inputs)
-
-    def _on_result(self, item: InFlightMicroBatch) -> None:
-        try:
-            payload = ray.get(item.result_ref, timeout=0)
+            answers = replica_calls.answers(ref, items)
         except RayActorError as e:
-            self._attempt_failed(item, f"replica died ({type(e).__name__})", replica_died=True)
-            return
-        except RayTaskError as e:
-            cause = e.as_instanceof_cause()
-            kind = classify(cause)
-            if kind is FailureKind.TRANSIENT:
-                self._attempt_failed(item, f"{type(cause).__name__}: {cause}",
-                                     replica_died=False)
-                return
-            self._release(item, ok=False)
-            item.fail(cause)  # the same on every replica: never re-run
-            if kind is FailureKind.CONFIGURATION:
-                self._fatal = cause
+            for item in items:
+                self._attempt_failed(item, f"replica died ({type(e).__name__})",
+                                     replica_died=True)
             return
         except GetTimeoutError:  # not actually ready; look again next round
             return
-        self._release(item, ok=True)
-        self.stats["served_by"][item.replica] += 1
-        if item.replica in item.failed_on:
-            self.stats["reruns_on_same_replica"] += 1
-        item.succeed(item.decode(payload))
+        for item, own in zip(items, answers, strict=True):
+            kind = classify(own) if isinstance(own, BaseException) else None
+            if kind is FailureKind.TRANSIENT:
+                self._attempt_failed(item, f"{type(own).__name__}: {own}", replica_died=False)
+                continue
+            self._release(item, ok=kind is None)
+            if kind is not None:  # the same on every replica: never re-run
+                item.fail(own)
+                if kind is FailureKind.CONFIGURATION:
+                    self._fatal = own
+                continue
+            self.stats["served_by"][item.replica] += 1
+            if item.replica in item.failed_on:
+                self.stats["reruns_on_same_replica"] += 1
+            item.succeed(item.decode(own))
 
     def _attempt_failed(self, item: InFlightMicroBatch, reason: str, replica_died: bool,
                         cancel: bool = False) -> None:

@@ -14,6 +14,7 @@ so each micro-batch's slice of the merged result is what it would have got alone
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import threading
 import time
@@ -58,22 +59,35 @@ class EngineQueue:
 
     def generate(self, micro_batch: MicroBatch) -> Eagle3TargetBatch:
         """Supervision for one checked micro-batch (blocks until its engine call is done)."""
-        return self._submit(_Job(Future(), micro_batch=micro_batch))
+        (answer,) = self.generate_many([micro_batch])
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def generate_many(self, micro_batches: list[MicroBatch]
+                      ) -> list[Eagle3TargetBatch | BaseException]:
+        """Supervision for checked micro-batches queued together (so they merge), each answer
+        its result or the error of its engine call (blocks until all are done)."""
+        jobs = [_Job(Future(), micro_batch=micro_batch) for micro_batch in micro_batches]
+        self._wait(jobs)
+        return [job.future.exception() or job.future.result() for job in jobs]
 
     def call(self, call: Callable[[], Any]) -> Any:
         """Run `call` on the engine thread, alone (blocks until done)."""
-        return self._submit(_Job(Future(), call=call))
+        job = _Job(Future(), call=call)
+        self._wait([job])
+        return job.future.result()
 
-    def _submit(self, job: _Job) -> Any:
+    def _wait(self, jobs: list[_Job]) -> None:
         with self._wake:
-            self._jobs.append(job)
-            self.stats["inside"] += 1
+            self._jobs.extend(jobs)
+            self.stats["inside"] += len(jobs)
             self._wake.notify()
         try:
-            return job.future.result()
+            concurrent.futures.wait([job.future for job in jobs])
         finally:
             with self._wake:
-                self.stats["inside"] -= 1
+                self.stats["inside"] -= len(jobs)
 
     def _next_jobs(self) -> list[_Job]:
         """The next call alone, or the waiting micro-batches in a row that fit `max_tokens`

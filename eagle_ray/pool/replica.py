@@ -21,7 +21,7 @@ from eagle_ray.config.pool import PoolConfig
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.engine_queue import EngineQueue
 from eagle_ray.pool.failures import FailureKind, classify
-from eagle_ray.pool.transport import batch_to_numpy
+from eagle_ray.pool.transport import Payload, batch_to_numpy
 from eagle_ray.target_batch import validate_micro_batch, validate_prompts
 from eagle_ray.target_runner import RunnerEagle3TargetModel, Sampling
 
@@ -114,19 +114,43 @@ class TargetReplica:
             "served_tokens": self.served_tokens,
             "served_micro_batches": self.served_micro_batches,
             "engine": dict(self.engine.stats),
+            "max_tokens_per_engine_call": self.engine.max_tokens,
         }
 
     @ray.method(concurrency_group="generate")
     def generate(self, micro_batch_id: int, inputs: tuple[np.ndarray, np.ndarray, np.ndarray],
-                 ) -> dict[str, tuple[np.ndarray, str]]:
+                 ) -> Payload:
         """Supervision for one micro-batch `(input_ids, attention_mask, loss_mask)`, as numpy
-        arrays for the object store. Checked here, so bad input never joins a merged call."""
-        tensors = micro_batch_tensors(inputs)
-        validate_micro_batch(*tensors, vocab_size=self.backend.vocab_size,
-                             max_length=self.backend.max_length)
-        batch = self.engine.generate(tuple(tensors))
-        self._count(int(tensors[1].sum()))
-        return batch_to_numpy(batch, self.encoding_dtype)  # fp8: quantised here, off the engine
+        arrays for the object store; raises what `generate_many` would answer."""
+        (answer,) = self.generate_many([micro_batch_id], inputs)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    @ray.method(concurrency_group="generate")
+    def generate_many(self, micro_batch_ids: list[int], *inputs: Any,
+                      ) -> list[Payload | BaseException]:
+        """Supervision for several micro-batches in one call: what a client leased on this
+        replica at once travels in one Ray call, not one each, and the micro-batches merge into
+        shared engine calls. Each is checked here, so bad input never joins a merged call; each
+        answer is its payload or the error it raised, so one bad micro-batch fails alone."""
+        answers: list[Any] = [None] * len(inputs)
+        checked: dict[int, tuple[torch.Tensor, ...]] = {}
+        for index, arrays in enumerate(inputs):
+            try:
+                tensors = micro_batch_tensors(arrays)
+                validate_micro_batch(*tensors, vocab_size=self.backend.vocab_size,
+                                     max_length=self.backend.max_length)
+                checked[index] = tuple(tensors)
+            except (TypeError, ValueError) as e:
+                answers[index] = e
+        for index, answer in zip(checked, self.engine.generate_many(list(checked.values())),
+                                 strict=True):
+            if not isinstance(answer, BaseException):
+                self._count(int(checked[index][1].sum()))
+                answer = batch_to_numpy(answer, self.encoding_dtype)  # fp8: off the engine
+            answers[index] = answer
+        return answers
 
     @ray.method(concurrency_group="generate")
     def complete(self, request_id: int, request: tuple[list[list[int]], dict[str, Any]]

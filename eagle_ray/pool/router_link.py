@@ -20,11 +20,11 @@ from typing import Any
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.pool.inflight import InFlightMicroBatch
-from eagle_ray.pool.router import Grant, LeaseReport
+from eagle_ray.pool.router import Grant, LeaseReport, NoReplicaAvailable
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,27 @@ class RouterLink:
             for item in asked:
                 item.lease_ref = ref
         return matched
+
+    def granted(self, ref: ray.ObjectRef, items: Sequence[InFlightMicroBatch]
+                ) -> list[tuple[InFlightMicroBatch, Lease]] | None:
+        """The leases an `acquire_many` answer (`ref`, from `ask`) granted to `items`; the
+        others ask again. None when the router was unreachable: it is looked up again, and the
+        caller asks again shortly. Raises `NoReplicaAvailable` when none took the first in
+        time."""
+        try:
+            grants = ray.get(ref)
+        except RayActorError:
+            logger.warning("router unreachable; retrying leases for %d micro-batch(es)",
+                           len(items))
+            self.reconnect()
+            return None
+        except RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, NoReplicaAvailable):
+                raise cause from None
+            raise
+        return [(item, self.lease(grant, item.num_tokens))
+                for item, grant in zip(items, grants, strict=True) if grant is not None]
 
     def _take_spare(self, tokens: int, avoid: list[str]) -> Lease | None:
         """The smallest unexpired spare lease with room for `tokens`, on a replica not in
