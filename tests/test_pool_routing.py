@@ -106,13 +106,14 @@ def test_inputs_reused_by_the_caller_after_submit_are_served_as_submitted(one_re
 
 
 def test_micro_batches_leased_together_share_one_call_and_one_engine_call(one_replica_pool):
-    """A stream's first window is leased in one router call and sent in one replica call; the
-    replica merges it into one engine call."""
+    """A stream's first micro-batches are leased in one router call and sent in one replica
+    call (a call carries up to half the window); the replica merges them into one engine
+    call."""
     def engine():
         return ray.get(replica_handle(one_replica_pool, 0).ready.remote(),
                        timeout=TIMEOUT_S)["engine"]
     before = engine()
-    client = one_replica_pool.client(ClientConfig(max_inflight_micro_batches=8))
+    client = one_replica_pool.client(ClientConfig(max_inflight_micro_batches=16))
     inputs = micro_batches(8, seed=30)
     results = list(client.stream(inputs))
     assert all(is_correct(x, b) for x, b in zip(inputs, results, strict=True)), "in order"

@@ -135,6 +135,6 @@ class ClientConfig:
     # one lease per micro-batch.
     lease_reuse_s: float = 5.0
     # Micro-batches leased on one replica at the same moment travel in one call (one Ray call
-    # each way instead of one per micro-batch; they merge on the engine anyway), up to this many
-    # and the replica's `max_tokens_per_engine_call`; 1: a call per micro-batch.
+    # each way instead of one per micro-batch; they merge on the engine anyway), up to this many,
+    # half the window and the replica's `max_tokens_per_engine_call`; 1: a call per micro-batch.
     max_micro_batches_per_call: int = 8

@@ -69,9 +69,10 @@ class PoolClient:
         self.node_id = router.node_id
         self.max_length = target_info.get("max_length")
         self.max_tokens_per_call = int(target_info.get("max_tokens_per_engine_call", 0))
-        # While the pool is ahead of `stream`'s caller, refills gather into calls of this many.
-        self._gather = min(self.config.max_micro_batches_per_call,
-                           max(1, self.config.max_inflight_micro_batches // 2))
+        # Micro-batches a replica call carries: at most half the window, so a replica holds the
+        # next call while it runs one; refills gather to this many (`stream`).
+        self._per_call = min(self.config.max_micro_batches_per_call,
+                             max(1, self.config.max_inflight_micro_batches // 2))
         self._ids = itertools.count()
         self._inflight = Window()
         self._fatal: BaseException | None = None  # a configuration error: every call raises it
@@ -177,7 +178,7 @@ class PoolClient:
                 while upcoming is not None and self._has_room(int(upcoming[1].sum())):
                     self._queue(*upcoming)
                     upcoming = next(source, None)
-                if upcoming is None or not self._inflight.ahead(self._gather):
+                if upcoming is None or not self._inflight.ahead(self._per_call):
                     self._ask_for_leases()  # spare leases, then one call for the rest
                     self._settle(keep=sum(i.done for i in self._inflight.values()))  # refills
                 if ready is not None:
@@ -278,8 +279,7 @@ class PoolClient:
     def _run(self, leased: list[tuple[InFlightMicroBatch, Lease]]) -> None:
         """Call the leased replicas: one call per replica for the micro-batches leased on it
         now (`replica_calls`)."""
-        for call in replica_calls.group_calls(leased, self.config.max_micro_batches_per_call,
-                                              self.max_tokens_per_call):
+        for call in replica_calls.group_calls(leased, self._per_call, self.max_tokens_per_call):
             items = replica_calls.start(call, time.monotonic() + self.config.timeout_s)
             try:
                 handle = self._router.replica(items[0].replica, items[0].lease.actor_id)
