@@ -66,9 +66,10 @@ class PoolConfig:
     router_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     # Load: the router keeps at most this many tokens outstanding on one replica.
     max_outstanding_tokens_per_replica: int = 16384
-    # A replica accepts this many micro-batches at once; those waiting together are merged into
-    # one engine call (sharing engine steps) of at most `max_tokens_per_engine_call` padded
-    # slots (rows x longest row; a larger micro-batch runs alone). 1: one at a time, no merging.
+    # A replica accepts this many calls at once (a call carries one micro-batch or several);
+    # micro-batches waiting together are merged into one engine call (sharing engine steps) of
+    # at most `max_tokens_per_engine_call` padded slots (rows x longest row; a larger
+    # micro-batch runs alone). 1: one call at a time.
     replica_concurrency: int = 4
     max_tokens_per_engine_call: int = 16384
     # Locality: lease a replica on the client's own node while it has room (its results then

@@ -1,11 +1,12 @@
 """One engine fed by many request threads: a replica that never idles.
 
-A replica accepts several micro-batches at once (its `generate` concurrency group). Their request
-threads check and decode inputs and encode results; only the engine thread here touches the
-engine. Micro-batches that wait together are merged into one engine call, so they share engine
-steps (vLLM schedules their rows together), up to `max_tokens` padded slots per call; anything
-else (text generation) runs alone, in arrival order. While the engine runs one call, the results
-of the previous one travel back and the next inputs arrive: no gap between engine calls.
+A replica accepts several calls at once (its `generate` concurrency group), each with one
+micro-batch or several. Their request threads check and decode inputs and encode results; only
+the engine thread here touches the engine. Micro-batches that wait together are merged into one
+engine call, so they share engine steps (vLLM schedules their rows together), up to `max_tokens`
+padded slots per call; anything else (text generation) runs alone, in arrival order. While the
+engine runs one call, the results of the previous one travel back and the next inputs arrive: no
+gap between engine calls.
 
 Merging is exact: rows are independent (right padding, causal attention, the shift is per row),
 so each micro-batch's slice of the merged result is what it would have got alone.

@@ -1,7 +1,8 @@
 """The replica actor: one target backend (vLLM by default) inside its own placement group.
 
-It accepts up to `PoolConfig.replica_concurrency` micro-batches at once; an `EngineQueue` feeds
-them to the engine, merged, from one thread (`eagle_ray.pool.engine_queue`)."""
+It accepts up to `PoolConfig.replica_concurrency` calls at once, each carrying one micro-batch or
+several (`generate_many`); an `EngineQueue` feeds them to the engine, merged, from one thread
+(`eagle_ray.pool.engine_queue`)."""
 
 from __future__ import annotations
 
