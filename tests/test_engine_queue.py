@@ -46,7 +46,7 @@ def run_threads(queue, parts):
     results = [None] * len(parts)
 
     def one(i):
-        results[i] = queue.generate(parts[i])
+        (results[i],) = queue.generate_many([parts[i]])
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(parts))]
     return threads, results
 
@@ -87,10 +87,12 @@ def test_an_engine_error_reaches_every_micro_batch_of_the_call_and_the_queue_goe
         return FakeBatch(micro_batch)
 
     queue = EngineQueue(generate, lambda call: call(), max_tokens=1 << 20)
-    with pytest.raises(RuntimeError, match="engine broke"):
-        queue.generate(random_micro_batch(100, (8,)))
+    answers = queue.generate_many([random_micro_batch(100, (8,)), random_micro_batch(100, (5,))])
+    assert len(calls) == 1, "the two were merged into one engine call"
+    assert all(isinstance(a, RuntimeError) and "engine broke" in str(a) for a in answers)
     assert queue.call(lambda: "text generation runs alone") == "text generation runs alone"
-    assert queue.generate(random_micro_batch(100, (8, 3))).rows == 2
+    (answer,) = queue.generate_many([random_micro_batch(100, (8, 3))])
+    assert answer.rows == 2
 
 
 class FakeBatch:

@@ -40,7 +40,8 @@ class _Job:
 class EngineQueue:
     """Serialises engine work from many threads and merges waiting micro-batches.
 
-    `generate(micro_batch) -> Eagle3TargetBatch` runs a (merged) micro-batch on the engine;
+    `generate(micro_batch) -> Eagle3TargetBatch` runs a (merged) micro-batch on the engine
+    (`generate_many` queues micro-batches, `call` anything else);
     `run_guarded(call)` wraps every engine call (the replica's failure handling). `stats` counts
     engine calls, the micro-batches they carried, the jobs waiting or on the engine now
     (`inside`), and the seconds the engine was busy (`busy_s`: its utilisation over time).
@@ -57,13 +58,6 @@ class EngineQueue:
         self.stats = {"engine_calls": 0, "micro_batches": 0, "merged_calls": 0, "inside": 0,
                       "busy_s": 0.0}
         threading.Thread(target=self._loop, name=name, daemon=True).start()
-
-    def generate(self, micro_batch: MicroBatch) -> Eagle3TargetBatch:
-        """Supervision for one checked micro-batch (blocks until its engine call is done)."""
-        (answer,) = self.generate_many([micro_batch])
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
 
     def generate_many(self, micro_batches: list[MicroBatch]
                       ) -> list[Eagle3TargetBatch | BaseException]:
