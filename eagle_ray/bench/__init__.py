@@ -1,25 +1,54 @@
 """Benchmarks: each prints one JSON object per line (`bench`, `metric`, `value`, `unit`, and for
-a comparison `baseline` and `ratio`), measured side by side in one run."""
+a comparison `baseline` and `ratio`), measured side by side in one run.
+
+Stdout carries those lines and nothing else (`results_only_on_stdout`): Ray's driver prints its
+raylet warnings there and vLLM's in-process engine logs there, so while a benchmark runs file
+descriptor 1 points at stderr and the result lines go to a copy of the original stdout.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import os
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
 
 NAMESPACE = "eagle_ray_bench"  # every benchmark's pool lives here
 SYNTHETIC = "eagle_ray.testing:fixed_latency_target"  # the fixed-latency backend
+
+_results: TextIO | None = None  # the original stdout while `results_only_on_stdout` holds
 
 
 def emit(bench: str, metric: str, value: float, unit: str, **extra) -> dict:
     """Write one result line to stdout and return it."""
     record = {"bench": bench, "metric": metric, "value": value, "unit": unit, **extra}
-    sys.stdout.write(json.dumps(record) + "\n")
-    sys.stdout.flush()
+    out = _results or sys.stdout
+    out.write(json.dumps(record) + "\n")
+    out.flush()
     return record
+
+
+@contextlib.contextmanager
+def results_only_on_stdout() -> Iterator[None]:
+    """Point file descriptor 1 at stderr (this process's prints, Ray's and vLLM's, and those of
+    processes started meanwhile) and keep the original stdout for `emit` alone."""
+    global _results
+    sys.stdout.flush()
+    original = os.dup(1)
+    _results = os.fdopen(os.dup(original), "w")
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        _results.close()
+        _results = None
+        os.dup2(original, 1)
+        os.close(original)
 
 
 def best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
@@ -57,5 +86,6 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[str, Any], dict[str, Any]]]] = {
 def run(which: str, model_path: str, options: Any) -> None:
     """Run benchmark `which` (a key of `BENCHMARKS`) on the tiny target at `model_path`."""
     module, function, arguments = BENCHMARKS[which]
-    getattr(importlib.import_module(f"eagle_ray.bench.{module}"), function)(
-        **arguments(model_path, options))
+    with results_only_on_stdout():
+        getattr(importlib.import_module(f"eagle_ray.bench.{module}"), function)(
+            **arguments(model_path, options))
