@@ -24,6 +24,7 @@ import ray
 from eagle_ray.config import ClientConfig, ConfigError, JobConfig, to_dict
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.report import serve_command, write_report_png
+from eagle_ray.run_record import check_resumable, check_resumed_target, run_record
 from eagle_ray.supervision_cache import SupervisionCache
 from eagle_ray.train_loop import train_loop_per_worker
 
@@ -53,6 +54,7 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
     check_paths(config)
     check_loggers(config.train.loggers)
     warn_about_settings(config)
+    resumed = check_resumable(config)
     output_dir = Path(config.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     cache = SupervisionCache.open(config.data.supervision_cache) \
@@ -61,6 +63,7 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
     check_job_resources(config, with_pool=cache is None)
 
     with job_supervision(config, cache) as (pool, served):
+        check_resumed_target(resumed, served)
         # A path the job names (its own mount of the same checkpoint) wins over the pool's.
         model_path = config.target.model_path or served.model_path
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -78,6 +81,7 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
                 "draft_to_target": data.vocab.draft_to_target.tolist(),
                 "output_dir": str(output_dir),
                 "progress": board,
+                "run_record": run_record(config, served),
             },
             datasets={"train": data.train} if data.train is not None else None,
             scaling_config=ScalingConfig(

@@ -29,6 +29,7 @@ from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool import PoolClient
 from eagle_ray.pool.telemetry import TrainerMetrics
+from eagle_ray.run_record import RECORD_FILE
 from eagle_ray.supervision import DraftVocab, draft_target
 from eagle_ray.supervision_cache import SupervisionCache
 from eagle_ray.trackers import Trackers
@@ -152,6 +153,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
                                 "scheduler": scheduler.state_dict(), "step": done},
                                Path(tmp) / CHECKPOINT_FILE)
+                    (Path(tmp) / RECORD_FILE).write_text(json.dumps(loop_config["run_record"]))
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp)
                                  if rank == 0 else None)
         else:

@@ -87,3 +87,26 @@ def test_the_colocated_plan_puts_one_replica_and_its_trainers_on_every_node():
     assert config.train.workers == per_node * nodes, "whole nodes of trainers"
     assert replica["GPU"] + per_node * trainer["GPU"] == resources["GPU"], "every GPU used"
     assert not never_fit(demands, Capacity([], {}, [(resources, node["max_workers"])]))
+
+
+def test_a_resume_may_change_how_a_run_runs_but_not_what_its_draft_learns():
+    """`run_record.settings_changed`: what a rerun under the same run_name would be refused for."""
+    from eagle_ray.config import to_dict
+    from eagle_ray.run_record import settings_changed
+
+    example = ROOT / "examples" / "tiny.yaml"
+    record = {"job": to_dict(load_yaml(JobConfig, example))}
+    operational = load_yaml(JobConfig, example, [
+        "train.steps=400", "train.workers=4", "eval.prompts=64", "target.replicas=3",
+        "target.backend=hf", "target.model_path=/elsewhere", "output_dir=/elsewhere",
+        "target.vllm_kwargs={max_num_seqs: 8}", "data.tokenize_workers=4"])
+    assert settings_changed(record, operational) == []
+    learning = load_yaml(JobConfig, example, [
+        "train.seed=1", "target.encoding_dtype=fp8", "data.max_length=512",
+        "regenerate.temperature=0.7"])
+    assert settings_changed(record, learning) == [
+        "data.max_length: 256 -> 512", "regenerate.temperature: 0.0 -> 0.7",
+        "target.encoding_dtype: 'auto' -> 'fp8'", "train.seed: 0 -> 1"]
+    # A key a later version added (absent from an older record) is no change.
+    del record["job"]["train"]["seed"]
+    assert settings_changed(record, learning)[-1] == "target.encoding_dtype: 'auto' -> 'fp8'"

@@ -103,6 +103,20 @@ def test_rerun_resumes_the_step_count_and_the_loss_curve(trained):
     assert resumed[0]["loss_0"] < 0.9 * first[0]["loss_0"], "continues, not restarts"
 
 
+def test_a_rerun_that_changes_what_the_draft_learns_is_refused(trained, qwen3_path):
+    """Same run_name, another seed: refused before any pool starts, naming the change; another
+    target: refused once the pool says what it serves. Neither touches the run."""
+    from eagle_ray.config import ConfigError
+
+    output_dir = trained[0]
+    before = (output_dir / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"train\.seed: 0 -> 1\).*another run_name"):
+        run_job(job(output_dir, "train.seed=1"))
+    with pytest.raises(ConfigError, match=r"trained on .*fingerprint: .* -> "):
+        run_job(job(output_dir, f"target.model_path={qwen3_path}", "target.backend=hf"))
+    assert (output_dir / "metrics.jsonl").read_text() == before
+
+
 def test_report_png_is_written(trained):
     output_dir, summary, _ = trained
     from PIL import Image
