@@ -85,7 +85,13 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[str, Any], dict[str, Any]]]] = {
 
 def run(which: str, model_path: str, options: Any) -> None:
     """Run benchmark `which` (a key of `BENCHMARKS`) on the tiny target at `model_path`."""
+    import ray
+
     module, function, arguments = BENCHMARKS[which]
     with results_only_on_stdout():
-        getattr(importlib.import_module(f"eagle_ray.bench.{module}"), function)(
-            **arguments(model_path, options))
+        try:
+            getattr(importlib.import_module(f"eagle_ray.bench.{module}"), function)(
+                **arguments(model_path, options))
+        finally:
+            if ray.is_initialized():  # Ray prints the lines it held back when it shuts down
+                ray.shutdown()

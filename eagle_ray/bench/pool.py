@@ -149,10 +149,12 @@ class _StreamingClient:
             max_inflight_micro_batches=window, max_micro_batches_per_call=per_call))
         self.batch = random_micro_batch(1024, (16,), seed=0)
 
+    def warm_up(self) -> None:
+        list(self.client.stream([self.batch] * 20))
+
     def run(self, count: int, start_at: float) -> tuple[float, float, int]:
         """(started, finished) wall-clock times of streaming `count` micro-batches, and the
         replica calls that took."""
-        list(self.client.stream([self.batch] * 20))  # warm-up
         time.sleep(max(0.0, start_at - time.time()))
         calls = self.client.stats["replica_calls"]
         started = time.time()
@@ -191,7 +193,10 @@ def _router_round(pool: TargetPool, n: int, per_call: int, count: int) -> dict:
     """`n` streaming clients (at most `per_call` micro-batches a replica call) send `count`
     micro-batches each; the rate, the lease probe's latency and the router's cost."""
     actors = [_StreamingClient.remote("bench-router", 16, per_call) for _ in range(n)]
-    start_at = time.time() + 5.0
+    # Every client started and warm before any streams: 16 processes importing torch on a small
+    # machine would otherwise be measured along with the router.
+    ray.get([a.warm_up.remote() for a in actors])
+    start_at = time.time() + 0.5
     runs = [a.run.remote(count, start_at) for a in actors]
     time.sleep(max(0.0, start_at - time.time()) + 0.5)
     before = pool.status()
