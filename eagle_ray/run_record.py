@@ -4,8 +4,10 @@ Ray Train resumes a run from its latest checkpoint whenever a job reuses the run
 storage (`run_name`, `storage_path`). That is what a user wants after an interruption or to train
 longer, and a trap when the config changed: a rerun with another seed or `encoding_dtype` would
 load the old draft, train nothing new, and report the old draft's results as the new run's. So
-each checkpoint carries a `run_record.json` (the job config and what the target served), and the
-driver refuses to resume under settings that change what the draft learns, naming each change.
+each checkpoint carries a `run_record.json` (the settings that shape the draft, and what the
+target served), and the driver refuses to resume under other ones, naming each change. Only
+those settings are written: paths, resources, `runtime_env` (which may hold credentials) and
+tracker addresses stay out of the checkpoint.
 """
 
 from __future__ import annotations
@@ -43,7 +45,13 @@ SERVING_DETAILS = ("model_path", "max_length")
 
 def run_record(config: JobConfig, served: TargetIdentity) -> dict[str, Any]:
     """What a checkpoint of this job saves next to the draft (`RECORD_FILE`)."""
-    return {"job": to_dict(config), "target": served.to_dict()}
+    return {"draft_settings": draft_settings(config), "target": served.to_dict()}
+
+
+def draft_settings(config: JobConfig) -> dict[str, Any]:
+    """`{dotted key: value}` of the settings that shape the draft (not in `RESUMABLE_KEYS`)."""
+    return {key: value for key, value in _flatten(to_dict(config)).items()
+            if not _resumable(key)}
 
 
 def run_path(config: JobConfig) -> str:
@@ -108,8 +116,9 @@ def check_resumed_target(record: dict[str, Any] | None, served: TargetIdentity) 
     if record is None:
         return
     before = TargetIdentity.from_dict(record["target"])
-    changed = [f"{key}: {old!r} -> {new!r}" for key, (old, new) in _differences(
-        before.to_dict(), served.to_dict()).items() if key not in SERVING_DETAILS]
+    old, new = before.to_dict(), served.to_dict()
+    changed = [f"{key}: {old[key]!r} -> {new[key]!r}" for key in old
+               if key not in SERVING_DETAILS and old[key] != new[key]]
     if changed:
         raise ConfigError(
             f"the resumed run was trained on {before.describe()}; the pool serves "
@@ -118,10 +127,11 @@ def check_resumed_target(record: dict[str, Any] | None, served: TargetIdentity) 
 
 
 def settings_changed(record: dict[str, Any], config: JobConfig) -> list[str]:
-    """`key: old -> new` for each setting of `config` that differs from the recorded run's and
-    changes what the draft learns (not in `RESUMABLE_KEYS`)."""
-    return [f"{key}: {old!r} -> {new!r}" for key, (old, new) in
-            _differences(record["job"], to_dict(config)).items() if not _resumable(key)]
+    """`key: old -> new` for each setting that shapes the draft and differs from the recorded
+    run's (a key a later version added, at its default, is no change)."""
+    before, now = record["draft_settings"], draft_settings(config)
+    return [f"{key}: {before[key]!r} -> {now[key]!r}" for key in sorted(before.keys() & now.keys())
+            if before[key] != now[key]]
 
 
 def _resumable(key: str) -> bool:
@@ -130,15 +140,11 @@ def _resumable(key: str) -> bool:
     return any(key == prefix or key.startswith(prefix + ".") for prefix in RESUMABLE_KEYS)
 
 
-def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = ""
-                 ) -> dict[str, tuple[Any, Any]]:
-    """Dotted keys present in both whose values differ (a key added in a later version, at
-    its default, is no change)."""
-    found: dict[str, tuple[Any, Any]] = {}
-    for key in sorted(old.keys() & new.keys()):
-        path = f"{prefix}{key}"
-        if isinstance(old[key], dict) and isinstance(new[key], dict):
-            found.update(_differences(old[key], new[key], path + "."))
-        elif old[key] != new[key]:
-            found[path] = (old[key], new[key])
-    return found
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -91,11 +91,13 @@ def test_the_colocated_plan_puts_one_replica_and_its_trainers_on_every_node():
 
 def test_a_resume_may_change_how_a_run_runs_but_not_what_its_draft_learns():
     """`run_record.settings_changed`: what a rerun under the same run_name would be refused for."""
-    from eagle_ray.config import to_dict
-    from eagle_ray.run_record import settings_changed
+    from eagle_ray.run_record import draft_settings, settings_changed
 
     example = ROOT / "examples" / "tiny.yaml"
-    record = {"job": to_dict(load_yaml(JobConfig, example))}
+    record = {"draft_settings": draft_settings(load_yaml(JobConfig, example))}
+    assert "train.seed" in record["draft_settings"]
+    assert not any(k.startswith(("target.runtime_env", "output_dir", "eval"))
+                   for k in record["draft_settings"]), "only what shapes the draft is written"
     operational = load_yaml(JobConfig, example, [
         "train.steps=400", "train.workers=4", "eval.prompts=64", "target.replicas=3",
         "target.backend=hf", "target.model_path=/elsewhere", "output_dir=/elsewhere",
@@ -108,5 +110,5 @@ def test_a_resume_may_change_how_a_run_runs_but_not_what_its_draft_learns():
         "data.max_length: 256 -> 512", "regenerate.temperature: 0.0 -> 0.7",
         "target.encoding_dtype: 'auto' -> 'fp8'", "train.seed: 0 -> 1"]
     # A key a later version added (absent from an older record) is no change.
-    del record["job"]["train"]["seed"]
+    del record["draft_settings"]["train.seed"]
     assert settings_changed(record, learning)[-1] == "target.encoding_dtype: 'auto' -> 'fp8'"
