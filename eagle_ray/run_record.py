@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Any
 
-from eagle_ray.config import ConfigError, JobConfig, to_dict
+from eagle_ray.config import ConfigError, JobConfig, flatten, to_dict
 from eagle_ray.identity import TargetIdentity
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def run_record(config: JobConfig, served: TargetIdentity) -> dict[str, Any]:
 
 def draft_settings(config: JobConfig) -> dict[str, Any]:
     """`{dotted key: value}` of the settings that shape the draft (not in `RESUMABLE_KEYS`)."""
-    return {key: value for key, value in _flatten(to_dict(config)).items()
+    return {key: value for key, value in flatten(to_dict(config)).items()
             if not _resumable(key)}
 
 
@@ -138,13 +138,3 @@ def _resumable(key: str) -> bool:
     if key in COMPARED_TARGET_KEYS:
         return False
     return any(key == prefix or key.startswith(prefix + ".") for prefix in RESUMABLE_KEYS)
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from eagle_ray.config import ConfigError
+from eagle_ray.config import ConfigError, flatten
 
 LOGGERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # name -> module it needs
 
@@ -54,7 +54,7 @@ class Trackers:
             mlflow.set_experiment(mlflow_experiment)
             self.mlflow = mlflow
             mlflow.start_run(run_name=run_name)
-            mlflow.log_params({k: str(v)[:500] for k, v in _flatten(config).items()})
+            mlflow.log_params({k: str(v)[:500] for k, v in flatten(config).items()})
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         values = {k: float(v) for k, v in metrics.items() if k != "step"}
@@ -70,13 +70,3 @@ class Trackers:
             self.writer.close()
         if self.mlflow is not None:
             self.mlflow.end_run()
-
-
-def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat

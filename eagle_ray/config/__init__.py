@@ -12,9 +12,16 @@ from eagle_ray.config.job import (
     RegenerateConfig,
     TrainConfig,
 )
-from eagle_ray.config.loader import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
+from eagle_ray.config.loader import (
+    ConfigError,
+    apply_overrides,
+    flatten,
+    from_dict,
+    load_yaml,
+    to_dict,
+)
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 
 __all__ = ["ClientConfig", "ConfigError", "DataConfig", "EvalConfig", "JobConfig", "PoolConfig",
-           "RegenerateConfig", "TrainConfig", "apply_overrides", "from_dict", "load_yaml",
-           "to_dict"]
+           "RegenerateConfig", "TrainConfig", "apply_overrides", "flatten", "from_dict",
+           "load_yaml", "to_dict"]

@@ -47,6 +47,17 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`: a config as dotted keys, as overrides name them."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def load_yaml(cls: type[T], path: str | Path, overrides: list[str] | None = None) -> T:
     """Read a YAML config file into `cls`, then apply `key=value` overrides."""
     try:
