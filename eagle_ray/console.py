@@ -146,10 +146,11 @@ class ProgressBoard:
 class TrainingBar:
     """A driver-side tqdm bar following a `ProgressBoard` (a thread polls it)."""
 
-    def __init__(self, board, total: int, poll_s: float = 0.5) -> None:
+    def __init__(self, board, total: int, poll_s: float = 0.5, start: int = 0) -> None:
+        """`start`: the step a resumed run begins at."""
         self.board, self.poll_s = board, poll_s
-        self.bar = tqdm(total=total, desc="training", unit="step", file=sys.stderr,
-                        mininterval=1.0)
+        self.bar = tqdm(total=total, initial=min(start, total), desc="training", unit="step",
+                        file=sys.stderr, mininterval=1.0)
         self._shown_metrics_step = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, daemon=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from eagle_ray.config import ConfigError, JobConfig, flatten, to_dict
 from eagle_ray.identity import TargetIdentity
@@ -43,6 +43,14 @@ COMPARED_TARGET_KEYS = ("target.encoding_dtype",)
 SERVING_DETAILS = ("model_path", "max_length")
 
 
+class PreviousRun(NamedTuple):
+    """The checkpoint a rerun resumes: its record (None if written before records existed) and
+    its step."""
+
+    record: dict[str, Any] | None
+    step: int
+
+
 def run_record(config: JobConfig, served: TargetIdentity) -> dict[str, Any]:
     """What a checkpoint of this job saves next to the draft (`RECORD_FILE`)."""
     return {"draft_settings": draft_settings(config), "target": served.to_dict()}
@@ -61,9 +69,8 @@ def run_path(config: JobConfig) -> str:
     return os.path.join(storage, config.run_name)
 
 
-def previous_run(config: JobConfig) -> tuple[dict[str, Any] | None, int] | None:
-    """`(record, step)` of the latest checkpoint this job would resume from, or None (no
-    checkpoint). The record is None for a checkpoint written before records existed."""
+def previous_run(config: JobConfig) -> PreviousRun | None:
+    """The latest checkpoint this job would resume from, or None (no checkpoint)."""
     from ray.train import Result
 
     try:
@@ -76,14 +83,14 @@ def previous_run(config: JobConfig) -> tuple[dict[str, Any] | None, int] | None:
     step = int((result.metrics or {}).get("step", 0))
     path = os.path.join(checkpoint.path, RECORD_FILE)
     if not checkpoint.filesystem.get_file_info(path).is_file:
-        return None, step
+        return PreviousRun(None, step)
     with checkpoint.filesystem.open_input_stream(path) as f:
-        return json.loads(f.read().decode()), step
+        return PreviousRun(json.loads(f.read().decode()), step)
 
 
-def check_resumable(config: JobConfig) -> dict[str, Any] | None:
+def check_resumable(config: JobConfig) -> PreviousRun | None:
     """Refuse (`ConfigError`) a rerun whose config changes what the resumed draft learned; log
-    what a resume will do. Returns the previous record (for `check_resumed_target`), or None."""
+    what a resume will do. Returns the run it resumes (for `check_resumed_target`), or None."""
     previous = previous_run(config)
     if previous is None:
         return None
@@ -93,7 +100,7 @@ def check_resumable(config: JobConfig) -> dict[str, Any] | None:
         logger.warning("run %r resumes from step %d (%s); its checkpoint predates run records, so "
                        "its settings cannot be compared with this job's", config.run_name, step,
                        where)
-        return None
+        return previous
     changed = settings_changed(record, config)
     if changed:
         raise ConfigError(
@@ -108,14 +115,14 @@ def check_resumable(config: JobConfig) -> dict[str, Any] | None:
     else:
         logger.info("run %r resumes from its checkpoint at step %d (%s)", config.run_name, step,
                     where)
-    return record
+    return previous
 
 
-def check_resumed_target(record: dict[str, Any] | None, served: TargetIdentity) -> None:
+def check_resumed_target(previous: PreviousRun | None, served: TargetIdentity) -> None:
     """Refuse to resume a draft on supervision from another target than the one it learned."""
-    if record is None:
+    if previous is None or previous.record is None:
         return
-    before = TargetIdentity.from_dict(record["target"])
+    before = TargetIdentity.from_dict(previous.record["target"])
     old, new = before.to_dict(), served.to_dict()
     changed = [f"{key}: {old[key]!r} -> {new[key]!r}" for key in old
                if key not in SERVING_DETAILS and old[key] != new[key]]

@@ -99,7 +99,7 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
         )
         logger.info("training: %d Ray Train workers, %d steps", config.train.workers,
                     config.train.steps)
-        with TrainingBar(board, config.train.steps):
+        with TrainingBar(board, config.train.steps, start=resumed.step if resumed else 0):
             result = trainer.fit()
         ray.kill(board)
     logger.info("draft exported to %s", output_dir / "draft")
