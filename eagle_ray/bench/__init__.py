@@ -39,13 +39,13 @@ def results_only_on_stdout() -> Iterator[None]:
     global _results
     sys.stdout.flush()
     original = os.dup(1)
-    _results = os.fdopen(os.dup(original), "w")
+    _results = os.fdopen(original, "w", closefd=False)
     os.dup2(2, 1)
     try:
         yield
     finally:
         sys.stdout.flush()
-        _results.close()
+        _results.close()  # flushes; `original` stays open to be put back
         _results = None
         os.dup2(original, 1)
         os.close(original)
