@@ -108,6 +108,10 @@ def test_removing_a_node_with_replicas_loses_no_micro_batch(cluster, tmp_path):
                                for i in range(2)), what="micro-batches on both replicas")
         gpu_node(cluster)  # where the replicas can be rescheduled
         cluster.remove_node(doomed)
+        # The gate opens only once the clients have seen the loss: a replica's worker may
+        # outlive its raylet for a moment, and a held call let go then could still answer.
+        wait_until(lambda: sum(ray.get(t.stats.remote(), timeout=TIMEOUT_S)["retries"]
+                               for t in trainers) >= 2, what="the held calls re-run")
         gate.unlink()
         results = ray.get(runs, timeout=TIMEOUT_S)
         for result in results:

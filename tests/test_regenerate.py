@@ -143,6 +143,9 @@ def test_a_killed_replica_loses_and_duplicates_no_conversation(local_ray, pretra
         held = next(name for name, r in pool.status()["replicas"].items()
                     if r["outstanding_micro_batches"])
         ray.kill(ray.get_actor(held, namespace="eagle_ray_test"), no_restart=False)
+        # The gate opens only once the kill has landed (the held request re-run): opened
+        # before, the held call could finish first.
+        wait_until(lambda: client.stats["retries"] >= 1, what="the held request re-run")
         gate.unlink()
         running.join(TIMEOUT_S)
         assert reports and reports[0].conversations == 20 and reports[0].failed == 0
