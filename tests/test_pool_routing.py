@@ -244,8 +244,11 @@ def test_engine_error_reruns_the_micro_batch_on_another_replica(tmp_path):
         # each time on a replica other than the one it failed on.
         assert client.stats["retries"] >= 1
         assert client.stats["reruns_on_same_replica"] == 0
-        restarted = [r for r in pool.status()["replicas"].values() if r["errors"] >= 1]
-        assert len(restarted) == 1, "one replica's engine failed"
+        # The client reports outcomes to the router without waiting for it: wait to see them.
+        wait_until(lambda: sum(r["errors"] for r in pool.status()["replicas"].values()) >= 1,
+                   what="the failure reported")
+        failed = [r for r in pool.status()["replicas"].values() if r["errors"] >= 1]
+        assert len(failed) == 1, "one replica's engine failed"
     finally:
         pool.shutdown()
 
