@@ -90,3 +90,16 @@ def replica_handle(pool: TargetPool, index: int):
 
 def replica_status(pool: TargetPool, index: int) -> dict:
     return pool.status()["replicas"][pool.config.replica_name(index)]
+
+
+def engine_inside(pool: TargetPool, index: int) -> int:
+    """Micro-batches waiting for or on replica `index`'s engine now (the replica's own count)."""
+    return ray.get(replica_handle(pool, index).ready.remote(),
+                   timeout=TIMEOUT_S)["engine"]["inside"]
+
+
+def retries(trainers) -> int:
+    """Attempts the trainers' clients re-ran so far (counted when each is lost, before the
+    re-run's result)."""
+    return sum(stats["retries"] for stats in ray.get([t.stats.remote() for t in trainers],
+                                                     timeout=TIMEOUT_S))

@@ -19,9 +19,10 @@ from pool_helpers import (
     TESTS_ON_WORKER_PATH,
     TIMEOUT_S,
     TrainerStandIn,
+    engine_inside,
     is_correct,
     micro_batches,
-    replica_handle,
+    retries,
     synthetic_pool,
     wait_until,
 )
@@ -103,15 +104,13 @@ def test_removing_a_node_with_replicas_loses_no_micro_batch(cluster, tmp_path):
                     for _ in range(2)]
         runs = [t.run.remote(60, seed=30 + s) for s, t in enumerate(trainers)]
         # Calls are held on both doomed replicas when their node goes.
-        wait_until(lambda: all(ray.get(replica_handle(pool, i).ready.remote(),
-                                       timeout=TIMEOUT_S)["engine"]["inside"] >= 1
-                               for i in range(2)), what="micro-batches on both replicas")
+        wait_until(lambda: all(engine_inside(pool, i) >= 1 for i in range(2)),
+                   what="micro-batches on both replicas")
         gpu_node(cluster)  # where the replicas can be rescheduled
         cluster.remove_node(doomed)
         # The gate opens only once the clients have seen the loss: a replica's worker may
         # outlive its raylet for a moment, and a held call let go then could still answer.
-        wait_until(lambda: sum(ray.get(t.stats.remote(), timeout=TIMEOUT_S)["retries"]
-                               for t in trainers) >= 2, what="the held calls re-run")
+        wait_until(lambda: retries(trainers) >= 2, what="the held calls re-run")
         gate.unlink()
         results = ray.get(runs, timeout=TIMEOUT_S)
         for result in results:
@@ -233,8 +232,8 @@ def test_trainers_are_served_on_their_node_and_elsewhere_only_while_its_replica_
         ray.kill(ray.get_actor(own, namespace="eagle_ray_test"), no_restart=False)
         # The gate opens only once the kill has landed (the client re-ran the held attempt);
         # opened before, the held call could finish first.
-        wait_until(lambda: ray.get(trainers[0].stats.remote(), timeout=TIMEOUT_S)["retries"]
-                   == 1, what="the held attempt lost with the replica and re-run")
+        wait_until(lambda: retries(trainers[:1]) == 1,
+                   what="the held attempt lost with the replica and re-run")
         hold_calls.unlink()
         result = ray.get(run, timeout=TIMEOUT_S)
         assert len(result["correct"]) == 12 and all(result["correct"])

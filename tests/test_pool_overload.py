@@ -15,6 +15,7 @@ from pool_helpers import (
     TIMEOUT_S,
     is_correct,
     micro_batches,
+    replica_status,
     synthetic_pool,
     wait_until,
 )
@@ -59,10 +60,6 @@ class ClientGroup:
         return reports
 
 
-def served(pool) -> int:
-    return pool.status()["replicas"]["overload-replica-0"]["served_micro_batches"]
-
-
 def spilled_bytes() -> int:
     return get_memory_info_reply(get_state_from_address()).store_stats.spilled_bytes_total
 
@@ -88,7 +85,8 @@ def test_32_clients_on_one_slow_replica_get_everything_without_spilling():
                    for r in reports)
         assert spilled_bytes() == 0, "the clients' windows fit in the store: nothing spills"
         # The clients report outcomes to the router without waiting for it: wait to see them.
-        wait_until(lambda: served(pool) == 64 + 640, what="every outcome reported, no more")
+        wait_until(lambda: replica_status(pool, 0)["served_micro_batches"] == 64 + 640,
+                   what="every outcome reported, no more")
         status = pool.status()
         replica = status["replicas"]["overload-replica-0"]
         assert replica["restarts"] == 0 and replica["errors"] == 0

@@ -28,10 +28,12 @@ from pool_helpers import (
     TIMEOUT_S,
     VOCAB,
     TrainerStandIn,
+    engine_inside,
     is_correct,
     micro_batches,
     replica_handle,
     replica_status,
+    retries,
     synthetic_pool,
     wait_until,
 )
@@ -160,22 +162,16 @@ def test_results_match_inputs_in_order_and_both_replicas_work():
 
 def test_killed_replica_loses_nothing_and_comes_back(gate):
     """Two training actors stream while replica 0 is killed with their micro-batches inside it
-    (held there by the gate, so the kill cannot land between calls): each is re-run once,
-    nothing is lost or repeated, and the restarted replica takes work again."""
+    (held there by the gate, so the kill cannot land between calls): those are re-run, nothing
+    is lost or repeated, and the restarted replica takes work again."""
     pool = synthetic_pool("kill-replica", backend_kwargs={"seconds_per_call": 0.05,
                                                           "hold_while": str(gate)})
     try:
         trainers = [TrainerStandIn.remote("kill-replica") for _ in range(2)]
         runs = [t.run.remote(40, seed=s) for s, t in enumerate(trainers)]
-
-        def inside(index):
-            ready = ray.get(replica_handle(pool, index).ready.remote(), timeout=TIMEOUT_S)
-            return ready["engine"]["inside"]
-        wait_until(lambda: inside(0) >= 1, what="micro-batches held inside replica 0")
+        wait_until(lambda: engine_inside(pool, 0) >= 1, what="micro-batches held inside replica 0")
         ray.kill(replica_handle(pool, 0), no_restart=False)
-        wait_until(lambda: sum(s["retries"] for s in ray.get(
-            [t.stats.remote() for t in trainers], timeout=TIMEOUT_S)) >= 1,
-            what="the calls that were inside replica 0 re-run")
+        wait_until(lambda: retries(trainers) >= 1, what="the calls inside replica 0 re-run")
         gate.unlink()
         results = ray.get(runs, timeout=TIMEOUT_S)
         for result in results:
@@ -207,11 +203,7 @@ def test_a_replica_killed_with_several_micro_batches_inside_loses_and_repeats_no
         results = []
         streaming = threading.Thread(target=lambda: results.extend(client.stream(inputs)))
         streaming.start()
-
-        def inside(index):
-            ready = ray.get(replica_handle(pool, index).ready.remote(), timeout=TIMEOUT_S)
-            return ready["engine"]["inside"]
-        wait_until(lambda: (inside(0), inside(1)) == (4, 4),
+        wait_until(lambda: (engine_inside(pool, 0), engine_inside(pool, 1)) == (4, 4),
                    what="four micro-batches inside each replica, the engines held")
         assert client.stats["replica_calls"] == 2, "the first window went in one call each"
         ray.kill(replica_handle(pool, 0), no_restart=False)
