@@ -71,7 +71,7 @@ def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: 
             step_ids = [torch.tensor([seq[1:] + [next_token]])]
             drafted: list[int] = []
             for _ in range(k):
-                logits = draft(out.aux_hidden_states.float(), step_ids, ones)[-1][0, -1]
+                logits = draft(out.aux_hidden_states.float(), step_ids)[-1][0, -1]
                 drafted.append(int(vocab.draft_to_target[int(logits.argmax())]))
                 step = shift_left(step_ids[-1], 1)
                 step[0, -1] = drafted[-1]

@@ -75,8 +75,8 @@ def test_the_draft_learns_from_fp8_supervision_as_from_bf16(hf_llama):
         losses = []
         for _ in range(20):
             loss, _, _ = ttt_loss(draft, supervision.aux_hidden_states.float(),
-                                  supervision.input_ids, supervision.attention_mask,
-                                  supervision.loss_mask, probs, mask, ttt_steps=3)
+                                  supervision.input_ids, supervision.loss_mask, probs, mask,
+                                  ttt_steps=3)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

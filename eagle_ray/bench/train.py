@@ -53,7 +53,7 @@ def _train(draft: Eagle3Draft, head, vocab: DraftVocab,
         waited += time.perf_counter() - t0
         probs, mask = draft_target(batch, vocab, head)
         loss, _, _ = ttt_loss(draft, batch.aux_hidden_states.float(), batch.input_ids,
-                              batch.attention_mask, batch.loss_mask, probs, mask, ttt_steps=3)
+                              batch.loss_mask, probs, mask, ttt_steps=3)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from eagle_ray.supervision import soft_cross_entropy
 
@@ -86,41 +88,108 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-class DraftAttention(nn.Module):
-    """Attention over step 0's causal keys plus the diagonal keys of later TTT steps."""
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  scale: float) -> torch.Tensor:
+    """TTT attention without a `[S, S]` score matrix: memory linear in S for a fixed step count.
 
-    def __init__(self, c: DraftConfig) -> None:
+    q: [B, h, S, D]; keys / values: one `[B, h_kv, S, D]` per TTT step so far (grouped-query
+    K/V are never copied per head). The query at slot t attends to step 0's keys at slots <= t
+    and to step j's key at slot t (j >= 1), in one softmax -- what `reference_ttt_attention`
+    computes with materialised scores.
+
+    Step 0's causal part goes through `scaled_dot_product_attention` (flash / memory-efficient
+    kernels on GPU and CPU). The diagonal keys join its softmax through one extra "sink" key,
+    placed before slot 0, that every query sees: query t's logit for it is the log-sum-exp of
+    its diagonal logits (carried in two spare head-dim columns as a high and a low part, so bf16
+    loses nothing), and its value is an indicator column. The kernel's output then holds the
+    causal part already weighted by the full softmax, plus the diagonal part's total weight,
+    which scales the diagonal values' own softmax mix. A dummy query in front keeps the causal
+    mask aligned. Everything stays differentiable through public ops.
+    """
+    k0, v0 = keys[0], values[0]
+    if len(keys) == 1:
+        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale,
+                                              enable_gqa=True)
+    batch, heads, seq, dim = q.shape
+    kv_heads = k0.shape[1]
+    grouped = q.view(batch, kv_heads, heads // kv_heads, seq, dim)
+    logits = torch.stack([(grouped * k.unsqueeze(2)).sum(-1) for k in keys[1:]], dim=-1)
+    logits = logits.to(torch.promote_types(q.dtype, torch.float32)) * scale  # [B,kv,g,S,steps]
+    diagonal = sum(w.unsqueeze(-1) * v.unsqueeze(2) for w, v in zip(
+        logits.softmax(-1).to(q.dtype).unbind(-1), values[1:], strict=True))  # [B,kv,g,S,D]
+    sink_logit = (logits.logsumexp(-1) / scale).reshape(batch, heads, seq, 1)
+    high = sink_logit.to(q.dtype)
+    low = (sink_logit - high).to(q.dtype)
+    spare = -(dim + 2) % 8  # kernels want the head dim a multiple of 8
+    q_ext = F.pad(torch.cat([q, high, low], dim=-1), (0, spare, 1, 0))  # [B, h, 1 + S, D']
+    sink = k0.new_zeros(batch, kv_heads, 1, dim + 2 + spare)
+    k_ext = torch.cat([sink.index_fill(-1, _range(dim, dim + 2, q), 1),
+                       F.pad(k0, (0, 2 + spare))], dim=2)
+    v_ext = torch.cat([sink.index_fill(-1, _range(dim, dim + 1, q), 1),
+                       F.pad(v0, (0, 2 + spare))], dim=2)
+    out = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, is_causal=True, scale=scale,
+                                         enable_gqa=True)[:, :, 1:]
+    diagonal_weight = out[..., dim : dim + 1]
+    return out[..., :dim] + diagonal_weight * diagonal.view(batch, heads, seq, dim)
+
+
+def _range(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.arange(start, stop, device=like.device)
+
+
+def reference_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor],
+                            values: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """`ttt_attention` written out: `[B, h, S, S]` scores plus one diagonal column per later
+    step, one softmax. Memory grows with `steps * S**2`; the tests' oracle and the benchmark's
+    "before"."""
+    groups = q.shape[1] // keys[0].shape[1]
+    keys = [k.repeat_interleave(groups, dim=1) for k in keys]
+    values = [v.repeat_interleave(groups, dim=1) for v in values]
+    seq = q.shape[2]
+    scores = (q @ keys[0].transpose(-1, -2)) * scale  # [B, h, S, S] against step 0
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+    diagonal = [(q * k).sum(-1, keepdim=True) * scale for k in keys[1:]]  # [B, h, S, 1] each
+    weights = torch.softmax(torch.cat([scores, *diagonal], dim=-1).float(), dim=-1).to(q.dtype)
+    out = weights[..., :seq] @ values[0]
+    for j, v in enumerate(values[1:]):
+        out = out + weights[..., seq + j : seq + j + 1] * v
+    return out
+
+
+AttentionFn = Callable[[torch.Tensor, list[torch.Tensor], list[torch.Tensor], float],
+                       torch.Tensor]
+
+
+class DraftAttention(nn.Module):
+    """Attention over step 0's causal keys plus the diagonal keys of later TTT steps.
+
+    Padding needs no mask: rows are right-padded, so a real slot's keys (slots <= t, and its
+    own slot) are all real; padded slots only ever see each other and carry no loss.
+    """
+
+    def __init__(self, c: DraftConfig, attention: AttentionFn = ttt_attention) -> None:
         super().__init__()
         self.c = c
+        self.attention = attention
         self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
-                cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """x: [B, S, 2H]; cache: (k, v) of earlier TTT steps, appended to here."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                cache: tuple[list[torch.Tensor], list[torch.Tensor]]) -> torch.Tensor:
+        """x: [B, S, 2H]; cache: keys and values of earlier TTT steps, appended to here."""
         c = self.c
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         q, k = rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta)
-        groups = c.num_attention_heads // c.num_key_value_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        cache.append((k, v))
-        scale = 1.0 / math.sqrt(c.head_dim)
-        k0, v0 = cache[0]
-        scores = (q @ k0.transpose(-1, -2)) * scale  # [B, h, S, S] against step 0
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-        allowed = causal[None, None] & attention_mask.bool()[:, None, None, :]
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        diagonal = [(q * kj).sum(-1, keepdim=True) * scale for kj, _ in cache[1:]]  # [B,h,S,1]
-        weights = torch.softmax(torch.cat([scores, *diagonal], dim=-1).float(), dim=-1)
-        weights = weights.to(q.dtype)
-        out = weights[..., :seq] @ v0
-        for j, (_, vj) in enumerate(cache[1:]):
-            out = out + weights[..., seq + j : seq + j + 1] * vj
+        keys, values = cache
+        keys.append(k)
+        values.append(v)
+        out = self.attention(q, keys, values, 1.0 / math.sqrt(c.head_dim))  # [B, h, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -138,25 +207,26 @@ class DraftMLP(nn.Module):
 class DraftLayer(nn.Module):
     """vLLM's EAGLE-3 `midlayer`: norms on both inputs, residual through the hidden stream."""
 
-    def __init__(self, c: DraftConfig) -> None:
+    def __init__(self, c: DraftConfig, attention: AttentionFn = ttt_attention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = DraftAttention(c)
+        self.self_attn = DraftAttention(c, attention)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = DraftMLP(c)
 
-    def forward(self, embeds, hidden, positions, attention_mask, cache):
+    def forward(self, embeds, hidden, positions, cache):
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        residual = residual + self.self_attn(x, positions, attention_mask, cache)
+        residual = residual + self.self_attn(x, positions, cache)
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
 class Eagle3Draft(nn.Module):
     """The draft: frozen target embedding, `fc`, one `midlayer`, `norm`, draft-vocab `lm_head`."""
 
-    def __init__(self, config: DraftConfig, embedding_weight: torch.Tensor | None = None) -> None:
+    def __init__(self, config: DraftConfig, embedding_weight: torch.Tensor | None = None,
+                 attention: AttentionFn = ttt_attention) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -165,25 +235,28 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
         self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size,
                             config.hidden_size, bias=False)
-        self.midlayer = DraftLayer(config)
+        self.midlayer = DraftLayer(config, attention)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
 
-    def forward(self, aux_hidden_states: torch.Tensor, step_input_ids: list[torch.Tensor],
-                attention_mask: torch.Tensor) -> list[torch.Tensor]:
-        """Draft-vocabulary logits `[B, S, V_draft]` for each TTT step.
+    def forward(self, aux_hidden_states: torch.Tensor, step_input_ids: list[torch.Tensor]
+                ) -> list[torch.Tensor]:
+        """Draft-vocabulary logits `[B, S, V_draft]` for each TTT step, over right-padded rows.
 
         `step_input_ids[k]` `[B, S]` is the token read at step k (ground truth in training, the
-        previous step's guess when drafting); step 0 reads `fc(aux_hidden_states)`.
+        previous step's guess when drafting); step 0 reads `fc(aux_hidden_states)`. Aux states
+        may come in the engine's dtype (bf16): under autocast `fc` reads them as they are.
         """
         batch, seq = step_input_ids[0].shape
-        base = torch.arange(seq, device=aux_hidden_states.device).expand(batch, seq)
-        hidden = self.fc(aux_hidden_states.to(self.fc.weight.dtype))
-        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        device = aux_hidden_states.device
+        base = torch.arange(seq, device=device).expand(batch, seq)
+        if not torch.is_autocast_enabled(device.type):
+            aux_hidden_states = aux_hidden_states.to(self.fc.weight.dtype)
+        hidden = self.fc(aux_hidden_states)  # [B, S, H]
+        cache: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         logits = []
         for k, ids in enumerate(step_input_ids):
-            hidden = self.midlayer(self.embed_tokens(ids), hidden, base + k, attention_mask,
-                                   cache)
+            hidden = self.midlayer(self.embed_tokens(ids), hidden, base + k, cache)
             logits.append(self.lm_head(self.norm(hidden)))
         return logits
 
@@ -198,25 +271,32 @@ def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def ttt_loss(draft: nn.Module, aux_hidden_states: torch.Tensor, input_ids: torch.Tensor,
-             attention_mask: torch.Tensor, loss_mask: torch.Tensor, target_probs: torch.Tensor,
-             position_mask: torch.Tensor, ttt_steps: int
-             ) -> tuple[torch.Tensor, list[float], list[float]]:
+             loss_mask: torch.Tensor, target_probs: torch.Tensor, position_mask: torch.Tensor,
+             ttt_steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted TTT loss over shifted supervision (docs/contract.md, "Shift"), plus per-step
-    loss and accuracy.
+    loss and accuracy `[ttt_steps]` (detached, on the loss's device: reading them is the
+    caller's host sync, once per log interval rather than per step).
 
     Accuracy is the share of supervised slots where the draft's argmax equals the target's
     argmax within the draft vocabulary.
     """
     steps = [shift_left(input_ids, k) for k in range(ttt_steps)]
-    logits = draft(aux_hidden_states, steps, attention_mask)
+    logits = draft(aux_hidden_states, steps)
     total = torch.zeros((), device=aux_hidden_states.device)
     losses, accuracies = [], []
+    seq = input_ids.shape[1]
     for k, step_logits in enumerate(logits):
-        probs, pmask, lmask = (shift_left(t, k) for t in (target_probs, position_mask, loss_mask))
-        loss = soft_cross_entropy(step_logits, probs, pmask, lmask)
+        # Step k at slot t is scored against slot t + k: views of the targets, not shifted
+        # copies; slots past the end have no target.
+        step_logits = step_logits[:, : seq - k]
+        probs, pmask, lmask = (t[:, k:] for t in (target_probs, position_mask, loss_mask))
+        # Recomputed in backward: keeps only the [B, S, V_draft] logits per step, not their
+        # fp32 log-probabilities and products (about 5x the bytes in bf16).
+        loss = checkpoint(soft_cross_entropy, step_logits, probs, pmask, lmask,
+                          use_reentrant=False)
         total = total + TTT_STEP_WEIGHT**k * loss
         counted = (lmask.bool() & pmask.bool())
         hits = (step_logits.argmax(-1) == probs.argmax(-1)) & counted
-        losses.append(float(loss.detach()))
-        accuracies.append(float(hits.sum()) / max(int(counted.sum()), 1))
-    return total, losses, accuracies
+        losses.append(loss.detach())
+        accuracies.append(hits.sum() / counted.sum().clamp_min(1))
+    return total, torch.stack(losses), torch.stack(accuracies).float()
