@@ -9,6 +9,7 @@ for the target the pool served.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -33,6 +34,7 @@ from eagle_ray.run_record import RECORD_FILE
 from eagle_ray.supervision import DraftVocab, draft_target
 from eagle_ray.supervision_cache import SupervisionCache
 from eagle_ray.trackers import Trackers
+from eagle_ray.train_device import DevicePrefetcher, autocast_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     torch.manual_seed(train.seed)
     device = ray.train.torch.get_device()
+    precision = autocast_dtype(train.precision, device)  # None: fp32 throughout
 
     served = TargetIdentity.from_dict(loop_config["target"])
     target_config = AutoConfig.from_pretrained(loop_config["model_path"])
@@ -87,6 +90,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             shard_micro_batches(ray.train.get_dataset_shard("train"), job,
                                 loop_config["pad_id"], rank), train.steps - start_step))
         supervision = client.stream(micro_batches)
+    on_device = DevicePrefetcher(supervision, device)
 
     metrics_path = Path(loop_config["output_dir"]) / "metrics.jsonl"
     # Rank 0 reports: the driver's progress bar (`console.ProgressBoard`) and the trackers.
@@ -98,30 +102,34 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # Logged metrics average over the steps since the last log (single steps are noisy).
     window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
     window_data_wait = micro_batches.seconds
-    window_sums: dict[str, float] = {}
-    window_steps = 0
+    # Sums over the window stay on the device (one host sync per log, not per step); host-side
+    # statistics are read from the host batch.
+    window_sums: dict[str, torch.Tensor] = {}
+    window_padding, window_steps = 0.0, 0
     for step in range(start_step, train.steps):
         waited = time.perf_counter()
-        batch = next(supervision).to(device)
+        host_batch, batch = next(on_device)
         window_wait += time.perf_counter() - waited
-        window_sums["padding_share"] = window_sums.get("padding_share", 0.0) + padding_share(
-            (batch.input_ids, batch.attention_mask, batch.loss_mask))
+        window_padding += padding_share(
+            (host_batch.input_ids, host_batch.attention_mask, host_batch.loss_mask))
+        window_tokens += int(host_batch.attention_mask.sum())
         probs, position_mask = draft_target(batch, vocab, head)
-        loss, step_losses, step_accuracies = ttt_loss(
-            model, batch.aux_hidden_states.float(), batch.input_ids, batch.attention_mask,
-            batch.loss_mask, probs, position_mask, train.ttt_steps)
+        with (torch.autocast(device.type, dtype=precision) if precision
+              else contextlib.nullcontext()):
+            loss, step_losses, step_accuracies = ttt_loss(
+                model, batch.aux_hidden_states, batch.input_ids, batch.loss_mask, probs,
+                position_mask, train.ttt_steps)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
         optimizer.step()
         scheduler.step()
-        window_tokens += int(batch.attention_mask.sum())
         window_steps += 1
-        values = {"loss": float(loss.detach()), "grad_norm": float(grad_norm)}
-        values.update({f"loss_{k}": v for k, v in enumerate(step_losses)})
-        values.update({f"acc_{k}": v for k, v in enumerate(step_accuracies)})
+        values = {"loss": loss.detach(), "grad_norm": grad_norm,
+                  **{f"loss_{k}": v for k, v in enumerate(step_losses)},
+                  **{f"acc_{k}": v for k, v in enumerate(step_accuracies)}}
         for name, value in values.items():
-            window_sums[name] = window_sums.get(name, 0.0) + value
+            window_sums[name] = window_sums[name] + value if name in window_sums else value
         done = step + 1
         if done % train.log_every and done % train.checkpoint_every and done != train.steps:
             if board is not None:
@@ -129,8 +137,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             continue
         elapsed = time.perf_counter() - window_start
         data_wait = micro_batches.seconds - window_data_wait
+        names = list(window_sums)
+        means = (torch.stack([window_sums[n].float() for n in names]) / window_steps).tolist()
         metrics = {"step": done, "lr": scheduler.get_last_lr()[0],
-                   **{name: total / window_steps for name, total in window_sums.items()},
+                   **dict(zip(names, means, strict=True)),
+                   "padding_share": window_padding / window_steps,
                    "supervision_tokens_per_s": window_tokens * world / max(elapsed, 1e-9),
                    # Waiting for supervision includes reading the data (the client pulls the
                    # next micro-batch when it has room): report the two apart.
@@ -139,7 +150,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         telemetry.report(window_tokens / max(elapsed, 1e-9), metrics["pool_wait_share"])
         window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
         window_data_wait = micro_batches.seconds
-        window_sums, window_steps = {}, 0
+        window_sums, window_padding, window_steps = {}, 0.0, 0
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")

@@ -53,6 +53,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     ttt_steps: int = 7
+    # auto: bf16 autocast on a GPU with bf16 (fp32 master weights and optimizer state, TF32
+    # matmuls), fp32 on the CPU; bf16 or fp32 to choose.
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
     prefetch: int = 4  # micro-batches each worker keeps in flight at the pool
     checkpoint_every: int = 50
     log_every: int = 10
