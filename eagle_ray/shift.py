@@ -11,10 +11,14 @@ import torch
 
 def next_position_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """`[B, S]` bool: slot `t` has a position `t + 1` in its row (so it carries a target)."""
-    valid = attention_mask.bool()
-    has_next = torch.zeros_like(valid)
-    has_next[:, :-1] = valid[:, 1:]
-    return has_next
+    return shift_left_by_one(attention_mask.bool())
+
+
+def shift_left_by_one(x: torch.Tensor) -> torch.Tensor:
+    """`x[:, t + 1]` at slot t, zero in the last slot. (`narrow`, not indexing: Python indexing
+    cannot run on the device tests' fake GPU tensors.)"""
+    seq = x.shape[1]
+    return torch.cat([x.narrow(1, 1, seq - 1), torch.zeros_like(x.narrow(1, 0, 1))], dim=1)
 
 
 def shift_supervision(
@@ -35,13 +39,11 @@ def shift_supervision(
     has_next = next_position_mask(attention_mask)
 
     def shift_left(x: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        out[:, :-1] = x[:, 1:]
         mask = has_next if x.dim() == 2 else has_next.unsqueeze(-1)
-        return out.masked_fill_(~mask, 0)
+        return shift_left_by_one(x).masked_fill_(mask.logical_not(), 0)
 
     return {
-        "aux_hidden_states": aux_hidden_states.masked_fill_(~valid.unsqueeze(-1), 0),
+        "aux_hidden_states": aux_hidden_states.masked_fill_(valid.logical_not().unsqueeze(-1), 0),
         "input_ids": shift_left(input_ids.long()),
         "attention_mask": attention_mask.long(),
         "loss_mask": shift_left(loss_mask.long()),

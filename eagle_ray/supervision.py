@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from eagle_ray.devices import finish_copies
 from eagle_ray.target_batch import Eagle3TargetBatch
 
 if TYPE_CHECKING:
@@ -99,25 +100,47 @@ def draft_target_from_logits(
     if logits.shape[-1] != vocab.target_vocab_size:
         raise ValueError(f"logits have {logits.shape[-1]} classes, the draft vocabulary maps "
                          f"into {vocab.target_vocab_size}")
-    position_mask = vocab.t2d.to(logits.device)[logits.argmax(dim=-1)]
-    selected = logits[..., vocab.draft_to_target.to(logits.device)].float()
+    position_mask = vocab.t2d.to(logits.device).take(logits.argmax(dim=-1))
+    selected = logits.index_select(-1, vocab.draft_to_target.to(logits.device)).float()
     return torch.softmax(selected, dim=-1), position_mask
 
 
 @torch.no_grad()
+def head_logits(last_hidden: torch.Tensor, head: TargetHead,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """`head(last_hidden)` `[..., V]`, computed on the head's device in token chunks and
+    assembled on `device` (default: where `last_hidden` is): the full-vocabulary logits never
+    exist on the head's device for more than one chunk."""
+    return _decode_in_chunks(last_hidden, head, device, lambda logits: (logits,))[0]
+
+
+@torch.no_grad()
 def draft_target_from_hidden(
-    last_hidden: torch.Tensor, head: TargetHead, vocab: DraftVocab
+    last_hidden: torch.Tensor, head: TargetHead, vocab: DraftVocab,
+    device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like `draft_target_from_logits`, decoding `last_hidden [..., H]` through the target head
-    in token chunks so the full-vocabulary logits never exist for the whole batch at once."""
-    flat = last_hidden.reshape(-1, last_hidden.shape[-1])
-    probs, masks = [], []
-    for chunk in flat.split(HEAD_CHUNK_TOKENS):
-        p, m = draft_target_from_logits(head(chunk), vocab)
-        probs.append(p)
-        masks.append(m)
+    in token chunks (on the head's device), assembled on `device` (default: `last_hidden`'s)."""
+    return _decode_in_chunks(last_hidden, head, device,
+                             lambda logits: draft_target_from_logits(logits, vocab))
+
+
+def _decode_in_chunks(last_hidden: torch.Tensor, head: TargetHead,
+                      device: torch.device | str | None, decode) -> tuple[torch.Tensor, ...]:
+    device = last_hidden.device if device is None else torch.device(device)
+    head_device = head.lm_head.weight.device
     lead = last_hidden.shape[:-1]
-    return torch.cat(probs).reshape(*lead, vocab.size), torch.cat(masks).reshape(lead)
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+    # Each chunk's results leave the head's device as soon as they exist (a GPU-to-host copy
+    # goes to pinned memory, non-blocking); one wait for all of them.
+    chunks = [tuple(part.to(device, non_blocking=True)
+                    for part in decode(head(chunk.to(head_device, non_blocking=True))))
+              for chunk in flat.split(HEAD_CHUNK_TOKENS)]
+    if device != head_device:
+        finish_copies(head_device)
+    outputs = [parts[0] if len(parts) == 1 else torch.cat(parts)
+               for parts in zip(*chunks, strict=True)]
+    return tuple(out.reshape(*lead, *out.shape[1:]) for out in outputs)
 
 
 def draft_target(

@@ -32,8 +32,9 @@ from eagle_ray.aux_layers import (
     validate_eagle3_aux_layer_ids,
     vllm_capture_layer_ids,
 )
+from eagle_ray.devices import to_device
 from eagle_ray.shift import next_position_mask, shift_supervision
-from eagle_ray.supervision import DraftVocab, draft_target_from_hidden
+from eagle_ray.supervision import DraftVocab, draft_target_from_hidden, head_logits
 from eagle_ray.target_batch import (
     ENCODINGS,
     NUM_AUX_LAYERS,
@@ -138,6 +139,12 @@ class RunnerEagle3TargetModel:
         """The target's own final norm + `lm_head`, to decode the `last_hidden` encoding."""
         return self._head
 
+    @property
+    def device(self) -> torch.device:
+        """The engine's device: where the backend's own modules (embedding, head) live, and
+        where `generate_batch` returns supervision unless asked for another."""
+        return self._head.lm_head.weight.device
+
     # no_grad, not inference_mode: a co-located trainer may feed the results to autograd.
     @torch.no_grad()
     def generate_batch(
@@ -147,8 +154,14 @@ class RunnerEagle3TargetModel:
         loss_mask: torch.Tensor | None = None,
         *,
         encoding: Encoding | None = None,
+        device: torch.device | str | None = None,
     ) -> Eagle3TargetBatch:
-        """Supervision for one right-padded micro-batch, shifted (docs/contract.md, "Shift")."""
+        """Supervision for one right-padded micro-batch, shifted (docs/contract.md, "Shift").
+
+        Inputs may sit on the CPU or on the engine's device. Every tensor of the batch comes
+        back on `device` (default: the engine's, for a co-located trainer; a pool replica asks
+        for "cpu", ready for the object store): docs/contract.md, "Where tensors live".
+        """
         encoding = _check_encoding(encoding or self.encoding, self.draft_vocab)
         if loss_mask is None:
             loss_mask = attention_mask
@@ -164,24 +177,34 @@ class RunnerEagle3TargetModel:
                 f"{list(out.aux_hidden_states.shape)} and last_hidden "
                 f"{list(out.last_hidden.shape)} for a [{batch}, {seq}] batch"
             )
+        # The shift runs where the runner left its states; the masks follow them there.
+        where = out.aux_hidden_states.device
+        input_ids, attention_mask, loss_mask = (
+            t.to(where, non_blocking=True) for t in (input_ids, attention_mask, loss_mask))
+        last_hidden = out.last_hidden.to(where, non_blocking=True)
         if self.self_check and out.next_token_ids is not None:
-            check_greedy_tokens(out.next_token_ids, out.last_hidden, attention_mask, self._head)
+            check_greedy_tokens(out.next_token_ids, last_hidden, attention_mask, self._head)
         fields = shift_supervision(input_ids, attention_mask, loss_mask,
-                                   out.aux_hidden_states, out.last_hidden)
+                                   out.aux_hidden_states, last_hidden)
         last_hidden = fields.pop("last_hidden")
+        device = self.device if device is None else torch.device(device)
         if encoding == "last_hidden":
-            return Eagle3TargetBatch(**fields, last_hidden=last_hidden)
-        has_next = next_position_mask(attention_mask)
+            return Eagle3TargetBatch(**to_device({**fields, "last_hidden": last_hidden}, device))
+        # Head-derived encodings are decoded on the head's device, a chunk of tokens at a time,
+        # straight into their place on `device`.
+        has_next = next_position_mask(attention_mask).to(device).unsqueeze(-1)
+        no_next = has_next.logical_not()  # (not `~`: see shift_left_by_one)
+        fields = to_device(fields, device)
         if encoding == "logits":
-            logits = self._head(last_hidden).masked_fill_(~has_next.unsqueeze(-1), 0)
+            logits = head_logits(last_hidden, self._head, device).masked_fill_(no_next, 0)
             return Eagle3TargetBatch(**fields, logits=logits)
-        probs, position_mask = draft_target_from_hidden(last_hidden, self._head, self.draft_vocab)
+        probs, position_mask = draft_target_from_hidden(last_hidden, self._head,
+                                                        self.draft_vocab, device)
         return Eagle3TargetBatch(
             **fields,
-            target_probs=probs.masked_fill_(~has_next.unsqueeze(-1), 0),
-            position_mask=position_mask & has_next,
+            target_probs=probs.masked_fill_(no_next, 0),
+            position_mask=position_mask & has_next.squeeze(-1),
         )
-
 
     def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
         """Generate continuations of token-id prompts with the target (checked first)."""
@@ -202,18 +225,19 @@ def check_greedy_tokens(next_token_ids: torch.Tensor, last_hidden: torch.Tensor,
     applied twice or not at all, a head in the wrong dtype. Near-ties (within the precision of
     the head's dtype) are accepted.
     """
-    last_position = attention_mask.sum(dim=1) - 1
-    rows = torch.arange(last_hidden.shape[0])
-    logits = head(last_hidden[rows, last_position]).float()  # [B, V]
+    last_position = (attention_mask.sum(dim=1) - 1).view(-1, 1, 1)
+    last = last_hidden.gather(1, last_position.expand(-1, 1, last_hidden.shape[-1]))  # [B,1,H]
+    head_device = head.lm_head.weight.device
+    logits = head(last.squeeze(1).to(head_device)).float()  # [B, V]
     best = logits.max(dim=-1).values
-    chosen = logits[rows, next_token_ids.to(logits.device)]
+    chosen = logits.gather(1, next_token_ids.to(head_device).view(-1, 1)).squeeze(1)
     eps = torch.finfo(head.lm_head.weight.dtype).eps
     tolerance = max(1e-4, 64 * eps) * best.abs().clamp_min(1.0)
-    bad = torch.nonzero(chosen < best - tolerance).flatten().tolist()
+    bad = torch.nonzero((chosen < best - tolerance).cpu()).flatten().tolist()  # the one read
     if bad:
         row = bad[0]
         raise SelfCheckError(
-            f"self-check failed on {len(bad)} of {len(rows)} rows: the engine's greedy token "
+            f"self-check failed on {len(bad)} of {len(best)} rows: the engine's greedy token "
             f"{int(next_token_ids[row])} (logit {float(chosen[row]):.4f}) is not the argmax "
             f"{int(logits[row].argmax())} (logit {float(best[row]):.4f}) of the target head "
             f"applied to the captured final hidden state (row {row}). Likely causes: capture "

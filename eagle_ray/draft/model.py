@@ -82,9 +82,9 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     """Llama (neox-style) rotary embedding. x: [B, heads, S, D]; positions: [B, S]."""
     half = x.shape[-1] // 2
     inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.float()[:, None, :, None] * inv_freq  # [B, 1, S, D/2]
+    angles = positions.float().unsqueeze(1).unsqueeze(-1) * inv_freq  # [B, 1, S, D/2]
     cos, sin = angles.cos(), angles.sin()
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    x1, x2 = x.narrow(-1, 0, half).float(), x.narrow(-1, half, half).float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -128,9 +128,9 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     v_ext = torch.cat([sink.index_fill(-1, _range(dim, dim + 1, q), 1),
                        F.pad(v0, (0, 2 + spare))], dim=2)
     out = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, is_causal=True, scale=scale,
-                                         enable_gqa=True)[:, :, 1:]
-    diagonal_weight = out[..., dim : dim + 1]
-    return out[..., :dim] + diagonal_weight * diagonal.view(batch, heads, seq, dim)
+                                         enable_gqa=True).narrow(2, 1, seq)
+    diagonal_weight = out.narrow(-1, dim, 1)
+    return out.narrow(-1, 0, dim) + diagonal_weight * diagonal.view(batch, heads, seq, dim)
 
 
 def _range(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
@@ -265,9 +265,8 @@ def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
     """`x[:, t + k]` at slot t, zero past the end."""
     if k == 0:
         return x
-    out = torch.zeros_like(x)
-    out[:, :-k] = x[:, k:]
-    return out
+    seq = x.shape[1]
+    return torch.cat([x.narrow(1, k, seq - k), torch.zeros_like(x.narrow(1, 0, k))], dim=1)
 
 
 def ttt_loss(draft: nn.Module, aux_hidden_states: torch.Tensor, input_ids: torch.Tensor,
@@ -288,8 +287,9 @@ def ttt_loss(draft: nn.Module, aux_hidden_states: torch.Tensor, input_ids: torch
     for k, step_logits in enumerate(logits):
         # Step k at slot t is scored against slot t + k: views of the targets, not shifted
         # copies; slots past the end have no target.
-        step_logits = step_logits[:, : seq - k]
-        probs, pmask, lmask = (t[:, k:] for t in (target_probs, position_mask, loss_mask))
+        step_logits = step_logits.narrow(1, 0, seq - k)
+        probs, pmask, lmask = (t.narrow(1, k, seq - k)
+                               for t in (target_probs, position_mask, loss_mask))
         # Recomputed in backward: keeps only the [B, S, V_draft] logits per step, not their
         # fp32 log-probabilities and products (about 5x the bytes in bf16).
         loss = checkpoint(soft_cross_entropy, step_logits, probs, pmask, lmask,

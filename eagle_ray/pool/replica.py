@@ -93,7 +93,11 @@ class TargetReplica:
         self.served_tokens = 0
         self.served_micro_batches = 0
         self._count_lock = threading.Lock()
-        self.engine = EngineQueue(lambda mb: self.backend.generate_batch(*mb), self._serve,
+        # Supervision leaves the engine for host memory (the object store); for fp8 it is
+        # quantised first, on the engine's device, so the copy moves half the bytes too.
+        where = None if config.encoding_dtype == "fp8" else "cpu"
+        self.engine = EngineQueue(lambda mb: self.backend.generate_batch(*mb, device=where),
+                                  self._serve,
                                   config.max_tokens_per_engine_call, name=f"engine-{index}")
         logger.info("replica %d ready on node %s", index,
                     ray.get_runtime_context().get_node_id())
