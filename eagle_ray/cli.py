@@ -1,5 +1,5 @@
-"""`eagle-ray` command line: `train`, `cache`, `regenerate`, `eval`, `demo`, `serve`, `status`,
-`shutdown`, `bench`.
+"""`eagle-ray` command line: `train`, `plan`, `cache`, `regenerate`, `eval`, `demo`, `serve`,
+`status`, `shutdown`, `bench`.
 
 Results go to stdout (benchmarks: JSON lines); logs go to stderr.
 """
@@ -71,6 +71,31 @@ def _train(args: argparse.Namespace) -> int:
     log_file = _job_console(job, args.verbose)
     summary = run_job(job, log_to_driver=args.verbose)
     print(format_summary({**summary, "log_file": str(log_file)}), flush=True)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Per-GPU memory of a trainer worker (weights, optimizer, one training step measured at the
+    recipe's shape on fake tensors) and of a replica (weights, KV cache), supervision bytes per
+    token, and the trainer GPUs one replica feeds (estimated from FLOPs). Exit 2 when a trainer
+    worker would not fit the budget."""
+    from transformers import AutoConfig
+
+    from eagle_ray.config import JobConfig, load_yaml
+    from eagle_ray.plan import check_trainer_fits, format_plan, plan_job
+    from eagle_ray.pool.replica import resolve_model_path
+
+    job = load_yaml(JobConfig, args.config, args.overrides)
+    source = args.target_config or resolve_model_path(job.target)
+    try:
+        target_config = AutoConfig.from_pretrained(source)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot read the target's config at {source} ({e}); pass "
+                                f"--target-config with its config.json or folder (shipped: "
+                                f"examples/targets/)") from e
+    plan = plan_job(job, target_config, gpu_memory_gib=args.gpu_memory_gib)
+    print(json.dumps(plan.to_dict()) if args.json else format_plan(plan), flush=True)
+    check_trainer_fits(plan, args.trainer_budget_gib)
     return 0
 
 
@@ -236,6 +261,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="job config YAML (keys: see README)")
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. train.steps=50 target.replicas=2")
+
+    plan = command("plan", _plan, "per-GPU memory and rates of a job, before it starts")
+    plan.add_argument("--config", required=True, help="job config YAML (keys: see README)")
+    plan.add_argument("--target-config", help="the target's config.json or folder, when "
+                      "target.model_path is not readable here (e.g. examples/targets/...)")
+    plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory (GiB)")
+    plan.add_argument("--trainer-budget-gib", type=float, default=64.0,
+                      help="what a trainer worker may use (exit 2 above it)")
+    plan.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    plan.add_argument("overrides", nargs="*", metavar="key=value",
+                      help="config overrides, e.g. data.micro_batch_size=1")
 
     cache = command("cache", _cache, "write the pool's supervision for the job's data to disk")
     cache.add_argument("--config", required=True, help="job config YAML (keys: see README)")

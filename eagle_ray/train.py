@@ -34,6 +34,20 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------- the driver
 
 
+def check_trainer_memory(config: JobConfig) -> None:
+    """GPU training whose trainer worker would not fit (`eagle-ray plan`) stops here, naming
+    the keys to change, before Ray or a pool starts."""
+    if not (config.train.use_gpu and config.target.model_path):
+        return
+    from transformers import AutoConfig
+
+    from eagle_ray.plan import check_trainer_fits, plan_job
+
+    plan = plan_job(config, AutoConfig.from_pretrained(config.target.model_path))
+    logger.info("plan: a trainer worker needs %.1f GiB per GPU", plan.trainer["total"] / 2**30)
+    check_trainer_fits(plan)
+
+
 def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
     """Train, export and evaluate a draft; returns the summary written to `output_dir` (also
     `report.png` there). `log_to_driver=False` keeps the Ray workers' output (engines, Ray
@@ -52,6 +66,7 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
     from eagle_ray.trackers import check_loggers
 
     check_paths(config)
+    check_trainer_memory(config)
     check_loggers(config.train.loggers)
     warn_about_settings(config)
     resumed = check_resumable(config)

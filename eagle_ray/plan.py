@@ -1,0 +1,203 @@
+"""`eagle-ray plan`: what a job needs per GPU, before it starts.
+
+The trainer's activation peak is not a formula: one training step (target-head decoding, the TTT
+forward and backward) runs at the recipe's full shape on fake tensors (`FakeTensorMode`: shapes,
+no memory, no compute; about a second at 8B) and `TensorMemoryProbe` counts what it allocates.
+Weights, gradients and optimizer state are counted from the modules themselves. The replica side
+reads the target's config: weights, and the KV cache vLLM gets from `gpu_memory_utilization`.
+Rates are estimates from FLOPs at a stated model-FLOPs utilisation, until a GPU benchmark
+measures them.
+
+Example:
+    $ eagle-ray plan --config examples/llama3.1-8b.yaml --target-config llama-3.1-8b/config.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from eagle_ray.config import JobConfig
+from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
+from eagle_ray.memory import TensorMemoryProbe
+from eagle_ray.supervision import DraftVocab, draft_target
+from eagle_ray.target_batch import NUM_AUX_LAYERS, Eagle3TargetBatch
+from eagle_ray.target_head import TargetHead
+
+GIB = 2**30
+# Stated assumptions (no GPU measurement yet): what a CUDA context and the caching allocator's
+# slack take per process, and the model-FLOPs utilisation rates are estimated at.
+CUDA_CONTEXT_BYTES = 1 * GIB
+DEFAULT_MFU = 0.4
+DEFAULT_GPU_TFLOPS = 989.0  # H100 SXM dense bf16
+TRAINER_BUDGET_GIB = 64.0  # what a trainer worker may use of an 80 GB GPU, with headroom
+
+
+@dataclasses.dataclass
+class Plan:
+    """Per-GPU bytes of a trainer worker and of a replica, and the rates that size the pool."""
+
+    trainer: dict[str, int]  # part -> bytes; "total" included
+    replica: dict[str, int]  # part -> bytes (per tensor-parallel rank); "total" included
+    kv_cache_tokens: int  # tokens the replica's KV cache holds
+    supervision_bytes_per_token: int
+    replica_tokens_per_s: float  # estimated (FLOPs at `mfu`)
+    trainer_tokens_per_s: float  # estimated (FLOPs at `mfu`)
+    assumptions: dict[str, Any]
+
+    @property
+    def trainers_per_replica(self) -> float:
+        return self.replica_tokens_per_s / self.trainer_tokens_per_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "trainers_per_replica":
+                round(self.trainers_per_replica, 2)}
+
+
+def plan_job(job: JobConfig, target_config, gpu_memory_gib: float = 80.0,
+             mfu: float = DEFAULT_MFU, gpu_tflops: float = DEFAULT_GPU_TFLOPS) -> Plan:
+    """The plan for `job` with the target described by `target_config` (a transformers
+    config) on GPUs of `gpu_memory_gib`."""
+    text = target_config.get_text_config()
+    draft_config = DraftConfig.from_target(target_config, min(job.data.draft_vocab_size,
+                                                              text.vocab_size),
+                                           job.train.intermediate_size)
+    rows = job.data.micro_batch_size
+    seq = min(job.data.max_length, job.data.max_tokens_per_micro_batch // max(rows, 1))
+    target_dtype = _dtype(job.target.dtype, text)
+    bf16 = job.train.precision in ("auto", "bf16")  # on a GPU with bf16, as recipes assume
+    trainer = trainer_memory(draft_config, rows, seq, job.train.ttt_steps, target_dtype, bf16,
+                             ddp=job.train.workers > 1)
+    replica, kv_tokens = replica_memory(target_config, target_dtype, job.target.tp_size,
+                                        job.target.vllm_kwargs, gpu_memory_gib)
+    hidden = text.hidden_size
+    if job.target.encoding_dtype == "fp8":
+        per_token = (NUM_AUX_LAYERS + 1) * hidden + 4 * (NUM_AUX_LAYERS + 1)
+    else:
+        per_token = (NUM_AUX_LAYERS + 1) * hidden * target_dtype.itemsize
+    flops = mfu * gpu_tflops * 1e12
+    target_params = _parameter_count(target_config)
+    draft_trainable = sum(p.numel() for p in _meta_draft(draft_config).parameters()
+                          if p.requires_grad)
+    # Prefill: 2 FLOPs per parameter per token. Training: 6 per trainable draft parameter per
+    # token per TTT step, plus the target head's decoding (2 x H x V).
+    replica_rate = flops * job.target.tp_size / (2 * target_params)
+    trainer_rate = flops / (6 * draft_trainable * job.train.ttt_steps
+                            + 2 * hidden * text.vocab_size)
+    return Plan(trainer=trainer, replica=replica, kv_cache_tokens=kv_tokens,
+                supervision_bytes_per_token=per_token, replica_tokens_per_s=replica_rate,
+                trainer_tokens_per_s=trainer_rate,
+                assumptions={"gpu_memory_gib": gpu_memory_gib, "mfu": mfu,
+                             "gpu_tflops": gpu_tflops, "micro_batch": [rows, seq],
+                             "trainer_precision": "bf16" if bf16 else "fp32",
+                             "cuda_context_gib": CUDA_CONTEXT_BYTES / GIB})
+
+
+def check_trainer_fits(plan: Plan, budget_gib: float = TRAINER_BUDGET_GIB) -> None:
+    """A `ValueError` naming the keys to change when a trainer worker would not fit."""
+    total = plan.trainer["total"] / GIB
+    if total > budget_gib:
+        rows, seq = plan.assumptions["micro_batch"]
+        raise ValueError(
+            f"a trainer worker needs {total:.1f} GiB per GPU at micro-batches of {rows} x {seq} "
+            f"tokens, over the {budget_gib:.0f} GiB budget: lower data.micro_batch_size, "
+            f"data.max_tokens_per_micro_batch or data.max_length, or train.ttt_steps")
+
+
+def trainer_memory(config: DraftConfig, rows: int, seq: int, ttt_steps: int,
+                   supervision_dtype: torch.dtype, bf16: bool, ddp: bool) -> dict[str, int]:
+    """Bytes of one trainer worker: fp32 weights (the draft with the target's frozen embedding,
+    and the target head it decodes with), gradients, AdamW state, DDP's gradient buckets, and
+    the peak of one training step at `rows x seq` tokens, measured on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    draft = _meta_draft(config)
+    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad) * 4
+    weights = sum(p.numel() for p in draft.parameters()) * 4
+    head_weights = (config.vocab_size + 1) * config.hidden_size * 4
+    vocab = DraftVocab(torch.arange(config.draft_vocab_size), config.vocab_size)
+    with torch.device("meta"):
+        head = TargetHead(nn.RMSNorm(config.hidden_size),
+                          nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        draft = draft.to_empty(device="cpu")
+        head = head.to_empty(device="cpu").requires_grad_(False)
+        with TensorMemoryProbe() as probe:
+            batch = _fake_batch(rows, seq, config.target_hidden_size, supervision_dtype)
+            probs, position_mask = draft_target(batch, vocab, head)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss, _, _ = ttt_loss(draft, batch.aux_hidden_states, batch.input_ids,
+                                      batch.loss_mask, probs, position_mask, ttt_steps)
+            loss.backward()
+    batch_bytes = batch.nbytes  # the prefetcher holds the next one on the device too
+    parts = {"weights": weights + head_weights, "optimizer": 2 * trainable,
+             "ddp_buckets": trainable if ddp else 0, "step_peak": probe.peak,
+             "next_batch": batch_bytes, "cuda_context": CUDA_CONTEXT_BYTES}
+    return {**parts, "total": sum(parts.values())}
+
+
+def replica_memory(target_config, dtype: torch.dtype, tp_size: int, vllm_kwargs: dict[str, Any],
+                   gpu_memory_gib: float) -> tuple[dict[str, int], int]:
+    """Bytes per tensor-parallel rank of a replica, and the tokens its KV cache holds: vLLM
+    takes `gpu_memory_utilization` of the GPU and gives what the weights leave to the cache."""
+    text = target_config.get_text_config()
+    utilisation = float(vllm_kwargs.get("gpu_memory_utilization", 0.85))
+    budget = int(utilisation * gpu_memory_gib * GIB)
+    weights = _parameter_count(target_config) * dtype.itemsize // tp_size
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", text.num_attention_heads)
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize // tp_size
+    kv_cache = max(budget - weights - CUDA_CONTEXT_BYTES, 0)
+    parts = {"weights": weights, "kv_cache": kv_cache, "cuda_context": CUDA_CONTEXT_BYTES}
+    return {**parts, "total": sum(parts.values())}, kv_cache // per_token
+
+
+def _fake_batch(rows: int, seq: int, hidden: int, dtype: torch.dtype) -> Eagle3TargetBatch:
+    ids = torch.zeros(rows, seq, dtype=torch.long)
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    return Eagle3TargetBatch(
+        aux_hidden_states=torch.empty(rows, seq, NUM_AUX_LAYERS * hidden, dtype=dtype),
+        input_ids=ids, attention_mask=mask, loss_mask=mask,
+        last_hidden=torch.empty(rows, seq, hidden, dtype=dtype))
+
+
+def _meta_draft(config: DraftConfig) -> Eagle3Draft:
+    with torch.device("meta"):
+        return Eagle3Draft(config)
+
+
+def _parameter_count(target_config) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(target_config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _dtype(name: str, text_config) -> torch.dtype:
+    from eagle_ray.checkpoint import resolve_dtype
+
+    return resolve_dtype(None if name == "auto" else name, text_config)
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a short table (GiB), for the terminal."""
+    def table(title: str, parts: dict[str, int]) -> list[str]:
+        return [title] + [f"  {name:<14}{value / GIB:8.1f} GiB" for name, value in parts.items()]
+
+    a = plan.assumptions
+    lines = table(f"trainer worker (per GPU; micro-batch {a['micro_batch'][0]} x "
+                  f"{a['micro_batch'][1]} tokens, {a['trainer_precision']})", plan.trainer)
+    lines += table("replica (per GPU)", plan.replica)
+    lines += [f"  KV cache holds {plan.kv_cache_tokens:,} tokens",
+              f"supervision: {plan.supervision_bytes_per_token:,} bytes per token, "
+              f"{plan.supervision_bytes_per_token * plan.replica_tokens_per_s / 2**20:,.0f} "
+              f"MiB/s per replica",
+              f"rates (estimated from FLOPs at {a['mfu']:.0%} of {a['gpu_tflops']:.0f} TFLOPS): "
+              f"replica {plan.replica_tokens_per_s:,.0f} tok/s, trainer "
+              f"{plan.trainer_tokens_per_s:,.0f} tok/s -> {plan.trainers_per_replica:.1f} "
+              f"trainer GPUs per replica keep trainers fed"]
+    return "\n".join(lines)

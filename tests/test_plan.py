@@ -1,0 +1,73 @@
+"""`eagle-ray plan`: the trainer's memory measured on fake tensors matches a real step, and the
+shipped GPU recipes fit an 80 GB GPU with headroom."""
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from eagle_ray.cli import main
+from eagle_ray.config import JobConfig, load_yaml
+from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
+from eagle_ray.memory import TensorMemoryProbe
+from eagle_ray.plan import GIB, TRAINER_BUDGET_GIB, check_trainer_fits, plan_job, trainer_memory
+from eagle_ray.supervision import DraftVocab, draft_target
+from eagle_ray.target_head import TargetHead
+from eagle_ray.testing import random_micro_batch
+
+RECIPES = {"llama3.1-8b": "llama-3.1-8b-instruct", "qwen3-8b": "qwen3-8b",
+           "llama3.1-8b-colocated": "llama-3.1-8b-instruct"}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_fake_step_peak_is_the_real_steps_peak_on_the_cpu(precision):
+    config = DraftConfig(hidden_size=128, target_hidden_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, intermediate_size=256,
+                         vocab_size=512, draft_vocab_size=256)
+    rows, seq, steps = 2, 192, 3
+    planned = trainer_memory(config, rows, seq, steps, torch.float32, precision == "bf16",
+                             ddp=False)["step_peak"]
+    # The same step for real: random values, real kernels.
+    torch.manual_seed(0)
+    draft = Eagle3Draft(config)
+    head = TargetHead(torch.nn.RMSNorm(128), torch.nn.Linear(128, 512, bias=False))
+    head.requires_grad_(False)
+    vocab = DraftVocab(torch.arange(256), 512)
+    ids, attention, loss_mask = random_micro_batch(512, (seq,) * rows)
+    from eagle_ray.target_batch import Eagle3TargetBatch
+
+    with TensorMemoryProbe() as probe:
+        batch = Eagle3TargetBatch(aux_hidden_states=torch.randn(rows, seq, 3 * 128),
+                                  input_ids=ids.clone(), attention_mask=attention.clone(),
+                                  loss_mask=attention.clone(),
+                                  last_hidden=torch.randn(rows, seq, 128))
+        probs, position_mask = draft_target(batch, vocab, head)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss, _, _ = ttt_loss(draft, batch.aux_hidden_states, batch.input_ids,
+                                  batch.loss_mask, probs, position_mask, steps)
+        loss.backward()
+    assert planned == pytest.approx(probe.peak, rel=0.05), (planned, probe.peak)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_every_shipped_gpu_recipe_fits_a_trainer_worker_in_64_gib(recipe):
+    job = load_yaml(JobConfig, f"examples/{recipe}.yaml", [])
+    plan = plan_job(job, AutoConfig.from_pretrained(f"examples/targets/{RECIPES[recipe]}"))
+    assert plan.trainer["total"] <= TRAINER_BUDGET_GIB * GIB, plan.trainer
+    check_trainer_fits(plan)
+    assert plan.replica["total"] <= 0.85 * 80 * GIB
+    assert plan.kv_cache_tokens >= job.target.vllm_kwargs["max_model_len"]
+    assert plan.supervision_bytes_per_token == 4 * 4096 * 2  # 3H + H in bf16
+
+
+def test_a_recipe_that_cannot_fit_is_refused_naming_the_keys(capsys):
+    args = ["plan", "--config", "examples/llama3.1-8b.yaml", "--target-config",
+            "examples/targets/llama-3.1-8b-instruct"]
+    assert main(args) == 0
+    assert "trainer worker" in capsys.readouterr().out
+    # Four times the rows: the activations alone pass the budget.
+    assert main([*args, "data.micro_batch_size=8", "data.max_tokens_per_micro_batch=32768"]) == 2
+
+
+def test_plan_without_a_readable_target_config_says_what_to_pass(caplog):
+    assert main(["plan", "--config", "examples/llama3.1-8b.yaml"]) == 2
+    assert "--target-config" in caplog.text
