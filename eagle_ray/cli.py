@@ -314,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="soak: length of each phase (fault-free, then with faults)")
     bench.add_argument("--conversations", type=int, nargs="+", default=[10_000, 100_000],
                        help="ingest: dataset sizes compared (driver memory must stay flat)")
+    bench.add_argument("--device", default="cuda", help="gpu: the device measured (cuda, cpu)")
+    bench.add_argument("--small", action="store_true",
+                       help="gpu: tiny shapes instead of Llama-3.1-8B's (seconds; CI)")
     return parser
 
 

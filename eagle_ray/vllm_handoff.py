@@ -197,27 +197,32 @@ class ShmRingHandoff(Handoff):
         self._buffer = np.frombuffer(self._map, dtype=np.uint8)
         # Writer state: live stretches in allocation order (offset, nbytes, key) and the head.
         self._live: collections.deque[tuple[int, int, str]] = collections.deque()
+        self._copying: set[str] = set()  # keys whose stretch is being written (no record yet)
         self._head = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the writer state, not the copies
 
     # ---------------------------------------------------------------- writer (the connector)
 
     def publish(self, key: str, states: torch.Tensor) -> None:
         raw = states.contiguous().view(torch.uint8).reshape(-1)
         nbytes = raw.numel()
-        with self._lock:
+        with self._lock:  # only the allocation: writers copy side by side
             offset = self._allocate(nbytes)
             if offset is not None:
-                torch.from_numpy(self._buffer[offset:offset + nbytes]).copy_(raw)  # threaded
                 self._live.append((offset, nbytes, key))
-                record = f"ring {offset} {nbytes}"
-            else:  # full (or larger than the ring): a file of its own, never a wait
-                raw.numpy().tofile(self._record_path(key) + ".data")
-                record = f"file {nbytes}"
+                self._copying.add(key)
+        if offset is not None:
+            torch.from_numpy(self._buffer[offset:offset + nbytes]).copy_(raw)  # threaded
+            record = f"ring {offset} {nbytes}"
+        else:  # full (or larger than the ring): a file of its own, never a wait
+            raw.numpy().tofile(self._record_path(key) + ".data")
+            record = f"file {nbytes}"
         partial = self._record_path(key) + ".partial"
         with open(partial, "w") as f:
             f.write(record)
         os.rename(partial, self._record_path(key))
+        with self._lock:
+            self._copying.discard(key)  # the record now keeps the stretch live
 
     def _allocate(self, nbytes: int) -> int | None:
         """The offset of `nbytes` free contiguous bytes, reclaiming stretches whose record is
@@ -253,6 +258,8 @@ class ShmRingHandoff(Handoff):
             self._live.popleft()
 
     def _is_live(self, key: str) -> bool:
+        if key in self._copying:
+            return True
         record = self._record_path(key)
         return os.path.exists(record) or os.path.exists(record + _TAKEN)
 

@@ -42,10 +42,18 @@ CPU_DEFAULTS: dict[str, Any] = {
     "kv_cache_memory_bytes": 512 * 2**20,
     "enable_prefix_caching": False,
 }
+# On a GPU, vLLM 0.32 would pick the V2 model runner (with Triton) and async scheduling for
+# `extract_hidden_states`; the CPU build, where the capture is tested, runs the V1 runner and
+# forces async scheduling off. The GPU engine takes the same two (`GPU_ENGINE_ENV` below): the
+# capture then runs the tested code, and a prefill-only workload (one sampled token) gains
+# nothing from overlapping scheduling. What still differs: CUDA graphs and torch.compile
+# (`enforce_eager` is False on GPUs), which change kernels, not what is captured.
 GPU_DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": 0.85,
     "enable_prefix_caching": False,
+    "async_scheduling": False,
 }
+GPU_ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}  # a value set in the environment wins
 HANDOFF_TIMEOUT_S = 120.0
 # vLLM keeps per-process globals (forward context, parallel state) that a second in-process
 # engine overwrites: its first engine then returns wrong hidden states. One per process.
@@ -61,6 +69,24 @@ def cpu_thread_binding(tp_size: int) -> str:
     per_rank = len(cores) // tp_size
     groups = [cores[r * per_rank:(r + 1) * per_rank] for r in range(tp_size)]
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def allocator_settings_for_engine() -> dict[str, str]:
+    """PyTorch allocator settings for the engine without `expandable_segments:True`.
+
+    vLLM refuses every KV connector beside it (connectors that register KV memory for RDMA
+    break when the allocator remaps pages); eagle_ray's connector registers nothing -- it copies
+    hidden states out -- but the check is vLLM's, and training images commonly set the option.
+    Other options are kept."""
+    settings = {}
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        options = os.environ.get(name, "").split(",")
+        if "expandable_segments:True" in (o.strip() for o in options):
+            kept = [o for o in options if o.strip() != "expandable_segments:True"]
+            settings[name] = ",".join(kept)
+            logger.info("%s for the vLLM engine: %r (expandable_segments:True removed; vLLM "
+                        "refuses KV connectors beside it)", name, settings[name])
+    return settings
 
 
 def build_llm(engine_kwargs: dict[str, Any], multiprocess: bool,
@@ -172,7 +198,9 @@ class VLLMTargetRunner(TargetRunner):
                     "one with multiprocess=True"
                 )
             _live_inprocess_engines.add(self)
-        env = {}
+        env = allocator_settings_for_engine()
+        if not self.is_cpu:
+            env.update({k: os.environ.get(k, v) for k, v in GPU_ENGINE_ENV.items()})
         # vLLM's "auto" binding wants one NUMA node per TP rank; split this node's cores instead.
         if self.is_cpu and tp_size > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
                                                           "auto") == "auto":

@@ -98,3 +98,41 @@ def test_discard_and_the_sweep_of_dead_owners_leave_nothing(ring, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [ring_name(PREFIX)], \
         "the live engine's ring stays, the dead one's ring and records go"
     assert reader.discard(PREFIX) == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_a_stretch_being_written_is_not_reclaimed_and_writers_copy_outside_the_lock(ring):
+    """A writer holds the lock only to allocate: while one copies (here: held inside its copy),
+    another allocates a different stretch and publishes; both arrive intact."""
+    import threading
+
+    reader, writer = ring
+    first, second = states(1), states(2)
+    copying, release = threading.Event(), threading.Event()
+    original = torch.Tensor.copy_
+
+    def slow_copy(self, source, *args, **kwargs):
+        if threading.current_thread().name == "first" and not release.is_set():
+            copying.set()
+            release.wait(10)
+        return original(self, source, *args, **kwargs)
+
+    torch.Tensor.copy_ = slow_copy
+    try:
+        thread = threading.Thread(target=writer.publish, args=(PREFIX + "a", first),
+                                  name="first")
+        thread.start()
+        assert copying.wait(10)
+        other = threading.Thread(target=writer.publish, args=(PREFIX + "b", second))
+        other.start()
+        other.join(30)  # returns at once; a writer waiting on the lock would still be there
+        published_while_held = not other.is_alive()  # it would wait if copies held the lock
+        release.set()
+        thread.join(10)
+        other.join(10)
+    finally:
+        torch.Tensor.copy_ = original
+    b = reader.take(PREFIX + "b", tuple(second.shape), second.dtype)
+    a = reader.take(PREFIX + "a", tuple(first.shape), first.dtype)
+    assert published_while_held
+    assert torch.equal(a, first) and torch.equal(b, second)
+    assert offset_of(reader, a) != offset_of(reader, b)

@@ -144,9 +144,14 @@ def test_tensor_parallel_two_with_explicit_aux_ids_equals_hf_and_sweeps_a_killed
     assert ours() - before == set(), "shutdown removes the ring"
 
 
-def test_bfloat16_agrees_with_fp32_reference_within_bf16_precision(llama_path, hf_llama):
+def test_bfloat16_agrees_with_fp32_reference_within_bf16_precision(llama_path, hf_llama,
+                                                                   monkeypatch):
+    # As training images often set it: vLLM refuses KV connectors beside expandable_segments,
+    # so the engine is started without it (and with the rest of the settings).
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:512")
     target = VLLMEagle3TargetModel.from_pretrained(llama_path, dtype="bfloat16",
                                                    multiprocess=True)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:512"
     try:
         batch_args = random_micro_batch(target.vocab_size, (40, 23, 31), seed=3)
         batch = target.generate_batch(*batch_args)

@@ -52,14 +52,23 @@ def results_only_on_stdout() -> Iterator[None]:
 
 
 def best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
-    """Fastest of `repeats` runs after one warm-up: the least noisy estimate on a shared box."""
+    """Fastest of `repeats` runs after one warm-up: the least noisy estimate on a shared box.
+    Each run ends when the GPU's queued work does (CUDA kernels run asynchronously)."""
     fn()
     times = []
     for _ in range(repeats):
+        _synchronize()
         start = time.perf_counter()
         fn()
+        _synchronize()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def _synchronize() -> None:
+    torch = sys.modules.get("torch")  # only a process that uses torch can have GPU work queued
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 # `eagle-ray bench NAME`: (module, function, what it is given: the tiny target's path, options).
@@ -80,18 +89,18 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[str, Any], dict[str, Any]]]] = {
     "ingest": ("ingest", "run", lambda path, opts: {
         "model_path": path, "sizes": tuple(opts.conversations)}),
     "soak": ("soak", "run", lambda path, opts: {"minutes": opts.minutes}),
+    "gpu": ("gpu", "run", lambda path, opts: {"device": opts.device, "small": opts.small}),
 }
 
 
 def run(which: str, model_path: str, options: Any) -> None:
     """Run benchmark `which` (a key of `BENCHMARKS`) on the tiny target at `model_path`."""
-    import ray
-
     module, function, arguments = BENCHMARKS[which]
     with results_only_on_stdout():
         try:
             getattr(importlib.import_module(f"eagle_ray.bench.{module}"), function)(
                 **arguments(model_path, options))
         finally:
-            if ray.is_initialized():  # Ray prints the lines it held back when it shuts down
+            ray = sys.modules.get("ray")  # `bench gpu` runs without Ray
+            if ray is not None and ray.is_initialized():  # it prints what it held back
                 ray.shutdown()

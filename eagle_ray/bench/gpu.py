@@ -1,0 +1,202 @@
+"""`eagle-ray bench gpu`: the GPU paths, measured on a GPU (needs torch and transformers only).
+
+- `hf_vs_cpu`: the HF backend on the device against the same weights on the CPU, per encoding,
+  in fp32 (max abs difference) and bf16 (cosine to the fp32 CPU reference);
+- `supervision`: supervision tokens/s of the HF backend at a Llama-3.1-8B shape (random weights),
+  returned on the device (co-located) and in host memory (a replica), side by side;
+- `draft_step`: the draft's training step at the recipe's shape (2 x 4096 tokens, 7 TTT steps)
+  with the linear-memory attention and the materialised one it replaced: tokens/s, peak memory,
+  in bf16 autocast and fp32;
+- `fp8`: quantising a batch's hidden states on the device then copying, against copying bf16.
+
+`--device cpu --small` runs the same code at tiny shapes in seconds (CI). Peak memory is
+`torch.cuda.max_memory_allocated` on a GPU and `TensorMemoryProbe` on the CPU; every timing
+synchronises the device (`bench.best_seconds`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from eagle_ray.bench import best_seconds, emit
+from eagle_ray.draft.model import (
+    DraftConfig,
+    Eagle3Draft,
+    reference_ttt_attention,
+    ttt_attention,
+    ttt_loss,
+)
+from eagle_ray.fp8 import encode_batch
+from eagle_ray.memory import TensorMemoryProbe
+from eagle_ray.target_batch import ENCODINGS
+
+logger = logging.getLogger(__name__)
+
+# (hidden, layers, heads, kv heads, intermediate, vocab, rows, seq, ttt steps)
+SHAPES = {
+    "llama3.1-8b": (4096, 32, 32, 8, 14336, 128256, 2, 4096, 7),
+    "small": (128, 8, 2, 1, 256, 512, 2, 64, 3),
+}
+
+
+def run(device: str = "cuda", small: bool = False) -> None:
+    """Every measurement of this module on `device`; `small`: tiny shapes (seconds)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("bench gpu: no CUDA device here; run with --device cpu --small")
+    shape = SHAPES["small" if small else "llama3.1-8b"]
+    hf_vs_cpu(device, shape)
+    supervision(device, shape)
+    _free(device)  # the 8B target is gone by now
+    for precision in ("bf16", "fp32"):
+        draft_step(device, shape, precision)
+    fp8(device, shape)
+
+
+def _llama(shape, dtype: torch.dtype, device: torch.device, layers: int | None = None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, num_layers, heads, kv_heads, intermediate, vocab, *_ = shape
+    config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers or num_layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         intermediate_size=intermediate, vocab_size=vocab,
+                         max_position_embeddings=8192)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def _micro_batch(vocab: int, rows: int, seq: int) -> tuple[torch.Tensor, ...]:
+    ids = torch.randint(3, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    return ids, mask, mask
+
+
+def hf_vs_cpu(device: torch.device, shape) -> None:
+    """The HF backend on `device` equals its CPU reference (fp32), and is close in bf16."""
+    from eagle_ray.hf_target import HFEagle3TargetModel
+    from eagle_ray.supervision import DraftVocab
+
+    vocab = shape[5]
+    micro_batch = _micro_batch(vocab, 2, 64)
+    draft_vocab = DraftVocab(torch.arange(0, vocab, 4), vocab)
+    reference_model = _llama(shape, torch.float32, torch.device("cpu"), layers=8)
+    reference = HFEagle3TargetModel(reference_model, draft_vocab=draft_vocab)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = _llama(shape, torch.float32, device, layers=8)
+        model.load_state_dict(reference_model.state_dict())
+        backend = HFEagle3TargetModel(model.to(dtype), draft_vocab=draft_vocab)
+        for encoding in ENCODINGS:
+            want = reference.generate_batch(*micro_batch, encoding=encoding).tensors()
+            got = backend.generate_batch(*micro_batch, encoding=encoding, device="cpu").tensors()
+            for name, value in got.items():
+                if not value.is_floating_point():
+                    continue
+                a, b = value.float().flatten(1), want[name].float().flatten(1)
+                if dtype == torch.float32:
+                    emit("gpu", "max_abs_diff_vs_cpu", float((a - b).abs().max()), "abs",
+                         device=str(device), encoding=encoding, field=name, dtype="fp32")
+                else:
+                    cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1).min()
+                    emit("gpu", "min_cosine_vs_cpu_fp32", round(float(cosine), 5), "cosine",
+                         device=str(device), encoding=encoding, field=name, dtype="bf16")
+
+
+def supervision(device: torch.device, shape) -> None:
+    """Supervision tokens/s at the shape, returned on the device and in host memory."""
+    from eagle_ray.hf_target import HFEagle3TargetModel
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = HFEagle3TargetModel(_llama(shape, dtype, device))
+    rows, seq = 8, min(shape[7], 2048)
+    micro_batch = _micro_batch(shape[5], rows, seq)
+    rates = {}
+    for where in ("device", "cpu"):
+        seconds = best_seconds(lambda w=where: backend.generate_batch(
+            *micro_batch, device=None if w == "device" else "cpu"))
+        rates[where] = rows * seq / seconds
+    for where, rate in rates.items():
+        emit("gpu", "supervision_tokens_per_s", round(rate, 1), "tok/s", device=str(device),
+             returned_on=where, rows=rows, seq=seq, baseline="device",
+             ratio=round(rate / rates["device"], 3))
+
+
+def draft_step(device: torch.device, shape, precision: str) -> None:
+    """Tokens/s and peak memory of one TTT training step, linear-memory vs materialised."""
+    hidden, _, heads, kv_heads, intermediate, vocab, rows, seq, steps = shape
+    config = DraftConfig(hidden_size=hidden, target_hidden_size=hidden, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                         intermediate_size=intermediate, vocab_size=vocab,
+                         draft_vocab_size=min(32000, vocab))
+    aux = torch.randn(rows, seq, 3 * hidden, device=device,
+                      dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    ids = torch.randint(0, vocab, (rows, seq), device=device)
+    loss_mask = torch.ones_like(ids)
+    probs = torch.softmax(torch.randn(rows, seq, config.draft_vocab_size, device=device), -1)
+    position_mask = loss_mask.bool()
+    results = {}
+    for name, attention in (("linear", ttt_attention), ("materialised", reference_ttt_attention)):
+        torch.manual_seed(0)
+        with torch.device(device):
+            draft = Eagle3Draft(config, attention=attention)
+
+        def step(draft=draft) -> None:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss, _, _ = ttt_loss(draft, aux, ids, loss_mask, probs, position_mask, steps)
+            loss.backward()
+            draft.zero_grad(set_to_none=True)
+
+        try:
+            peak = _peak_bytes(device, step)
+            results[name] = (rows * seq / best_seconds(step, 2), peak)
+        except torch.OutOfMemoryError:
+            logger.warning("draft step with %s attention ran out of memory", name)
+        del draft
+        _free(device)
+    for name, (rate, peak) in results.items():
+        emit("gpu", "draft_step_tokens_per_s", round(rate, 1), "tok/s", device=str(device),
+             attention=name, precision=precision, rows=rows, seq=seq, ttt_steps=steps,
+             baseline="materialised", ratio=round(rate / results["materialised"][0], 3)
+             if "materialised" in results else None)
+        emit("gpu", "draft_step_peak_gib", round(peak / 2**30, 3), "GiB", device=str(device),
+             attention=name, precision=precision, rows=rows, seq=seq, ttt_steps=steps)
+
+
+def fp8(device: torch.device, shape) -> None:
+    """Seconds to get a batch's hidden states into host memory: fp8 quantised on the device
+    and copied, against the bf16 copy."""
+    from eagle_ray.target_batch import Eagle3TargetBatch
+
+    hidden, rows, seq = shape[0], 8, min(shape[7], 2048)
+    ids = torch.zeros(rows, seq, dtype=torch.long, device=device)
+    batch = Eagle3TargetBatch(
+        aux_hidden_states=torch.randn(rows, seq, 3 * hidden, device=device).bfloat16(),
+        input_ids=ids, attention_mask=ids + 1, loss_mask=ids + 1,
+        last_hidden=torch.randn(rows, seq, hidden, device=device).bfloat16())
+    seconds = {kind: best_seconds(lambda k=kind: list(encode_batch(batch, k)))
+               for kind in ("auto", "fp8")}
+    for kind, value in seconds.items():
+        emit("gpu", "to_host_seconds", round(value, 6), "s", device=str(device),
+             encoding_dtype=kind, rows=rows, seq=seq, baseline="auto",
+             ratio=round(value / seconds["auto"], 3))
+
+
+def _peak_bytes(device: torch.device, fn: Callable[[], None]) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    with TensorMemoryProbe() as probe:
+        fn()
+    return probe.peak
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,25 @@
+"""`eagle-ray bench gpu --device cpu --small`: the GPU check's code runs in CI, and what it
+reports says what the device paths must hold."""
+
+import json
+import subprocess
+import sys
+
+
+def test_the_gpu_check_runs_on_the_cpu_at_small_shapes():
+    done = subprocess.run([sys.executable, "-m", "eagle_ray.cli", "bench", "gpu", "--device",
+                           "cpu", "--small"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    by_metric: dict[str, list[dict]] = {}
+    for result in results:
+        by_metric.setdefault(result["metric"], []).append(result)
+    # The same weights on the same device: identical in fp32, close in bf16, every encoding.
+    fp32 = by_metric["max_abs_diff_vs_cpu"]
+    assert {r["encoding"] for r in fp32} == {"logits", "last_hidden", "target_probs"}
+    assert all(r["value"] == 0.0 for r in fp32), fp32
+    assert all(r["value"] > 0.99 for r in by_metric["min_cosine_vs_cpu_fp32"])
+    assert {r["returned_on"] for r in by_metric["supervision_tokens_per_s"]} == {"device", "cpu"}
+    steps = {(r["attention"], r["precision"]) for r in by_metric["draft_step_peak_gib"]}
+    assert steps == {(a, p) for a in ("linear", "materialised") for p in ("bf16", "fp32")}
+    assert {r["encoding_dtype"] for r in by_metric["to_host_seconds"]} == {"auto", "fp8"}
