@@ -97,6 +97,11 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
             multiprocess=multiprocess, handoff=handoff, handoff_dir=handoff_dir,
             **({"handoff_ring_bytes": handoff_ring_bytes} if handoff_ring_bytes else {}),
         )
+        if not runner.is_cpu and torch.cuda.is_available():
+            # The head (and the self-check, and logits / target_probs decoding) on the engine's
+            # GPU, loaded after the engine has sized its KV cache; with TP > 1 over Ray the
+            # replica process may hold no GPU, and the head stays on the host.
+            head = head.to("cuda")
         return cls(
             runner,
             num_hidden_layers=num_layers,

@@ -13,6 +13,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import eagle_ray.target_runner as target_runner
+from eagle_ray.draft.model import DraftConfig, Eagle3Draft, shift_left
 from eagle_ray.fp8 import encode_batch
 from eagle_ray.supervision import DraftVocab
 from eagle_ray.target_head import TargetHead
@@ -99,6 +100,26 @@ def test_fp8_is_quantised_on_the_gpu_and_lands_in_host_memory(fake_gpu):
         if name in ("aux_hidden_states", "last_hidden"):
             assert values.dtype == torch.float8_e4m3fn and scales.device.type == "cpu"
             assert dtype == torch.float32
+
+
+@pytest.mark.parametrize("precision", [None, torch.bfloat16])
+def test_the_draft_runs_on_the_gpu_from_a_gpu_batch(fake_gpu, precision):
+    """The draft's forward (positions, rotary, the sink key of `ttt_attention`) creates its
+    tensors on the batch's device. (Autograd and the loss's log-softmax cannot run on fake CUDA
+    tensors on a CPU build; they create no tensors of their own but `ttt_loss`'s zero.)"""
+    backend = gpu_backend()
+    batch = backend.generate_batch(*micro_batch("cpu"))
+    config = DraftConfig(hidden_size=HIDDEN, target_hidden_size=HIDDEN, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, intermediate_size=128,
+                         vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB.size)
+    with torch.device("meta"):
+        draft = Eagle3Draft(config)
+    draft = on_fake_gpu(draft)
+    steps = [shift_left(batch.input_ids, k) for k in range(3)]
+    with torch.no_grad(), torch.autocast("cuda", dtype=precision or torch.float32,
+                                         enabled=precision is not None):
+        logits = draft(batch.aux_hidden_states, steps)
+    assert [step.device.type for step in logits] == ["cuda"] * 3
 
 
 def test_the_fake_gpu_catches_a_device_mix_up(fake_gpu):
