@@ -44,7 +44,9 @@ import torch
 SHM_DIR = "/dev/shm"
 HANDOFF_KINDS = ("inprocess", "shm", "file")  # what users may ask for (`handoff=`)
 RING_SUFFIX = "ring"
-DEFAULT_CAPACITY = 256 * 2**20  # bytes of an engine's ring (`handoff_ring_bytes`)
+DEFAULT_CAPACITY = 256 * 2**20  # the smallest ring (`handoff_ring_bytes` sets it outright)
+RING_LONGEST_REQUESTS = 2  # a ring holds at least this many requests of max_model_len tokens
+RING_SHM_SHARE = 0.25  # ... but takes at most this share of the shared-memory filesystem
 _TAKEN = ".taken"
 PARAMS_KEY = "eagle_ray_hidden_states"  # key in a finished request's kv_transfer_params
 # SamplingParams.extra_args flag: False for requests whose states nobody takes (text generation
@@ -155,6 +157,20 @@ class FileHandoff(Handoff):
 
     def to_config(self) -> dict[str, Any]:
         return {"kind": self.kind, "directory": self.directory}
+
+
+def ring_capacity(longest_request_bytes: int, directory: str = SHM_DIR) -> int:
+    """Bytes of a ring that holds `RING_LONGEST_REQUESTS` of the longest requests the engine
+    accepts (a 4,608-token row of an 8B target in bf16 is 151 MB), at least `DEFAULT_CAPACITY`,
+    at most `RING_SHM_SHARE` of the filesystem under `directory`. The file is sparse: pages
+    are taken as stretches are first written."""
+    wanted = max(DEFAULT_CAPACITY, RING_LONGEST_REQUESTS * longest_request_bytes)
+    try:
+        stats = os.statvfs(directory)
+        wanted = min(wanted, int(stats.f_frsize * stats.f_blocks * RING_SHM_SHARE))
+    except OSError:  # no such filesystem yet: the ring's creation will say so
+        pass
+    return wanted
 
 
 def ring_name(key_prefix: str, pid: int | None = None) -> str:
@@ -321,7 +337,8 @@ def _unlink(path: str) -> bool:
 
 
 def choose_handoff(kind: str | None, *, same_process: bool, key_prefix: str,
-                   directory: str | None = None, ring_bytes: int = DEFAULT_CAPACITY) -> Handoff:
+                   directory: str | None = None, ring_bytes: int | None = None,
+                   longest_request_bytes: int = 0) -> Handoff:
     """The hand-off for an engine: `kind` as the user asked ("inprocess", "shm", "file"), or the
     cheapest that works when None. `same_process`: the engine's only worker runs in this process.
     A new "shm" ring is named after `key_prefix` (the engine's keys) and this process; rings of
@@ -341,7 +358,8 @@ def choose_handoff(kind: str | None, *, same_process: bool, key_prefix: str,
         return FileHandoff(directory)
     directory = directory or SHM_DIR
     sweep_dead_rings(directory)
-    return ShmRingHandoff(os.path.join(directory, ring_name(key_prefix)), ring_bytes,
+    capacity = ring_bytes or ring_capacity(longest_request_bytes, directory)
+    return ShmRingHandoff(os.path.join(directory, ring_name(key_prefix)), capacity,
                           create=True)
 
 

@@ -22,7 +22,6 @@ import torch
 from eagle_ray.target_runner import RunnerOutput, Sampling, TargetRunner
 from eagle_ray.vllm_handoff import (
     CAPTURE_ARG,
-    DEFAULT_CAPACITY,
     PARAMS_KEY,
     Handoff,
     choose_handoff,
@@ -134,7 +133,8 @@ class VLLMTargetRunner(TargetRunner):
         multiprocess: bool | None = None,
         handoff: str | None = None,
         handoff_dir: str | None = None,
-        handoff_ring_bytes: int = DEFAULT_CAPACITY,
+        handoff_ring_bytes: int | None = None,
+        max_model_len_hint: int = 0,
     ) -> None:
         from vllm.platforms import current_platform
 
@@ -154,9 +154,13 @@ class VLLMTargetRunner(TargetRunner):
         self.multiprocess = (tp_size > 1) if multiprocess is None else multiprocess
         self.engine_tag = uuid.uuid4().hex[:12]
         self.key_prefix = handoff_key(self.engine_tag, "")  # every key this engine publishes
+        # The longest request the engine accepts sizes the ring (its max_model_len is known only
+        # once it is built; the ring must exist before).
+        longest = int(vllm_kwargs.get("max_model_len") or max_model_len_hint)
         self.handoff: Handoff = choose_handoff(
             handoff, same_process=not self.multiprocess and tp_size == 1,
-            key_prefix=self.key_prefix, directory=handoff_dir, ring_bytes=handoff_ring_bytes)
+            key_prefix=self.key_prefix, directory=handoff_dir, ring_bytes=handoff_ring_bytes,
+            longest_request_bytes=longest * len(self.capture_ids) * hidden_size * dtype.itemsize)
 
         engine_kwargs = {**(CPU_DEFAULTS if self.is_cpu else GPU_DEFAULTS), **vllm_kwargs}
         engine_kwargs.update(

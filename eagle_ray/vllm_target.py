@@ -79,8 +79,9 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
                 zero-copy views) or "file" (a file per request in `handoff_dir`); None: the
                 cheapest that works.
             handoff_dir: the directory of the "file" hand-off (or of "shm", default /dev/shm).
-            handoff_ring_bytes: the "shm" ring's size (default 256 MiB); a request that finds
-                it full goes through a file of its own.
+            handoff_ring_bytes: the "shm" ring's size (default: room for two requests of
+                `max_model_len` tokens, at least 256 MiB, at most a quarter of /dev/shm); a
+                request that finds it full goes through a file of its own.
         """
         from eagle_ray.vllm_runner import VLLMTargetRunner
 
@@ -95,7 +96,8 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
             str(model_path), capture_ids, text_config.hidden_size, torch_dtype, tp_size=tp_size,
             trust_remote_code=trust_remote_code, vllm_kwargs=vllm_kwargs,
             multiprocess=multiprocess, handoff=handoff, handoff_dir=handoff_dir,
-            **({"handoff_ring_bytes": handoff_ring_bytes} if handoff_ring_bytes else {}),
+            handoff_ring_bytes=handoff_ring_bytes,
+            max_model_len_hint=getattr(text_config, "max_position_embeddings", 0) or 0,
         )
         if not runner.is_cpu and torch.cuda.is_available():
             # The head (and the self-check, and logits / target_probs decoding) on the engine's

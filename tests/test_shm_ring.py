@@ -136,3 +136,17 @@ def test_a_stretch_being_written_is_not_reclaimed_and_writers_copy_outside_the_l
     assert published_while_held
     assert torch.equal(a, first) and torch.equal(b, second)
     assert offset_of(reader, a) != offset_of(reader, b)
+
+
+def test_the_ring_holds_two_of_the_longest_requests_within_a_share_of_shared_memory(tmp_path):
+    from eagle_ray.vllm_handoff import DEFAULT_CAPACITY, ring_capacity
+
+    # Llama-3.1-8B in bf16 at the recipe's max_model_len: 4,608 tokens x 4 states x 4,096 x 2 B.
+    request = 4608 * 4 * 4096 * 2
+    assert ring_capacity(request, str(tmp_path)) == 2 * request > DEFAULT_CAPACITY
+    assert ring_capacity(1024, str(tmp_path)) == DEFAULT_CAPACITY  # small targets
+    import os
+
+    stats = os.statvfs(tmp_path)
+    whole = stats.f_frsize * stats.f_blocks
+    assert ring_capacity(whole, str(tmp_path)) == int(whole * 0.25)
