@@ -41,13 +41,17 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-SHM_DIR = "/dev/shm"
+from eagle_ray.vllm_ring_files import (
+    DEFAULT_CAPACITY,
+    SHM_DIR,
+    TAKEN_SUFFIX,
+    remove_file,
+    ring_capacity,
+    ring_name,
+    sweep_dead_rings,
+)
+
 HANDOFF_KINDS = ("inprocess", "shm", "file")  # what users may ask for (`handoff=`)
-RING_SUFFIX = "ring"
-DEFAULT_CAPACITY = 256 * 2**20  # the smallest ring (`handoff_ring_bytes` sets it outright)
-RING_LONGEST_REQUESTS = 2  # a ring holds at least this many requests of max_model_len tokens
-RING_SHM_SHARE = 0.25  # ... but takes at most this share of the shared-memory filesystem
-_TAKEN = ".taken"
 PARAMS_KEY = "eagle_ray_hidden_states"  # key in a finished request's kv_transfer_params
 # SamplingParams.extra_args flag: False for requests whose states nobody takes (text generation
 # through the capturing engine); the connector then saves nothing for them.
@@ -153,46 +157,10 @@ class FileHandoff(Handoff):
         return [name for name in os.listdir(self.directory) if name.startswith(prefix)]
 
     def _unlink(self, name: str) -> bool:
-        return _unlink(os.path.join(self.directory, name))
+        return remove_file(os.path.join(self.directory, name))
 
     def to_config(self) -> dict[str, Any]:
         return {"kind": self.kind, "directory": self.directory}
-
-
-def ring_capacity(longest_request_bytes: int, directory: str = SHM_DIR) -> int:
-    """Bytes of a ring that holds `RING_LONGEST_REQUESTS` of the longest requests the engine
-    accepts (a 4,608-token row of an 8B target in bf16 is 151 MB), at least `DEFAULT_CAPACITY`,
-    at most `RING_SHM_SHARE` of the filesystem under `directory`. The file is sparse: pages
-    are taken as stretches are first written."""
-    wanted = max(DEFAULT_CAPACITY, RING_LONGEST_REQUESTS * longest_request_bytes)
-    try:
-        stats = os.statvfs(directory)
-        wanted = min(wanted, int(stats.f_frsize * stats.f_blocks * RING_SHM_SHARE))
-    except OSError:  # no such filesystem yet: the ring's creation will say so
-        pass
-    return wanted
-
-
-def ring_name(key_prefix: str, pid: int | None = None) -> str:
-    """`<key_prefix>ring.<owner pid>`: the engine's keys' prefix, so `discard(prefix)` removes
-    it with them."""
-    return f"{key_prefix}{RING_SUFFIX}.{pid or os.getpid()}"
-
-
-def sweep_dead_rings(directory: str = SHM_DIR) -> list[str]:
-    """Remove the rings (and records) of engines whose owner process is gone; their names."""
-    removed = []
-    for name in os.listdir(directory) if os.path.isdir(directory) else []:
-        if not name.startswith("eagle_ray-") or f"-{RING_SUFFIX}." not in name:
-            continue
-        prefix, _, pid = name.rpartition(".")
-        if pid.isdigit() and not _alive(int(pid)):
-            prefix = prefix.removesuffix(RING_SUFFIX)
-            for stale in os.listdir(directory):
-                if stale.startswith(prefix):
-                    _unlink(os.path.join(directory, stale))
-            removed.append(name)
-    return removed
 
 
 class ShmRingHandoff(Handoff):
@@ -277,34 +245,34 @@ class ShmRingHandoff(Handoff):
         if key in self._copying:
             return True
         record = self._record_path(key)
-        return os.path.exists(record) or os.path.exists(record + _TAKEN)
+        return os.path.exists(record) or os.path.exists(record + TAKEN_SUFFIX)
 
     # ---------------------------------------------------------------- reader (the runner)
 
     def take(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         record = self._record_path(key)
         try:
-            os.rename(record, record + _TAKEN)
+            os.rename(record, record + TAKEN_SUFFIX)
         except FileNotFoundError:
             return None
-        with open(record + _TAKEN) as f:
+        with open(record + TAKEN_SUFFIX) as f:
             kind, *numbers = f.read().split()
         if kind == "file":
             raw = np.fromfile(record + ".data", dtype=np.uint8)
-            _unlink(record + ".data")
-            _unlink(record + _TAKEN)
+            remove_file(record + ".data")
+            remove_file(record + TAKEN_SUFFIX)
             return torch.from_numpy(raw).view(dtype).reshape(shape)
         offset, nbytes = map(int, numbers)
         stretch = self._buffer[offset:offset + nbytes]
         # The stretch is the writer's again once the caller drops every tensor viewing it (they
         # all hold `stretch` through their storage).
-        weakref.finalize(stretch, _unlink, record + _TAKEN)
+        weakref.finalize(stretch, remove_file, record + TAKEN_SUFFIX)
         return torch.from_numpy(stretch).view(dtype).reshape(shape)
 
     def discard(self, prefix: str) -> int:
         names = self.keys(prefix)
         for name in names:
-            _unlink(os.path.join(self.directory, name))
+            remove_file(os.path.join(self.directory, name))
         return len(names)
 
     def keys(self, prefix: str = "") -> list[str]:
@@ -316,24 +284,6 @@ class ShmRingHandoff(Handoff):
 
     def _record_path(self, key: str) -> str:
         return os.path.join(self.directory, key)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        pass
-    return True
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
 
 
 def choose_handoff(kind: str | None, *, same_process: bool, key_prefix: str,

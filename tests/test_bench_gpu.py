@@ -23,3 +23,5 @@ def test_the_gpu_check_runs_on_the_cpu_at_small_shapes():
     steps = {(r["attention"], r["precision"]) for r in by_metric["draft_step_peak_gib"]}
     assert steps == {(a, p) for a in ("linear", "materialised") for p in ("bf16", "fp32")}
     assert {r["encoding_dtype"] for r in by_metric["to_host_seconds"]} == {"auto", "fp8"}
+    pool = {r["path"]: r for r in by_metric["pool_supervision_tokens_per_s"]}
+    assert set(pool) == {"in_process", "pool_1_replica"} and pool["in_process"]["ratio"] == 1.0

@@ -7,7 +7,9 @@
 - `draft_step`: the draft's training step at the recipe's shape (2 x 4096 tokens, 7 TTT steps)
   with the linear-memory attention and the materialised one it replaced: tokens/s, peak memory,
   in bf16 autocast and fp32;
-- `fp8`: quantising a batch's hidden states on the device then copying, against copying bf16.
+- `fp8`: quantising a batch's hidden states on the device then copying, against copying bf16;
+- `pool` (when Ray is importable): a one-replica HF pool on the device against the same backend
+  in this process, the same micro-batches (the pool's own overhead where cores are not shared).
 
 `--device cpu --small` runs the same code at tiny shapes in seconds (CI). Peak memory is
 `torch.cuda.max_memory_allocated` on a GPU and `TensorMemoryProbe` on the CPU; every timing
@@ -54,6 +56,7 @@ def run(device: str = "cuda", small: bool = False) -> None:
     for precision in ("bf16", "fp32"):
         draft_step(device, shape, precision)
     fp8(device, shape)
+    pool_vs_in_process(device, small)
 
 
 def _llama(shape, dtype: torch.dtype, device: torch.device, layers: int | None = None):
@@ -182,6 +185,64 @@ def fp8(device: torch.device, shape) -> None:
         emit("gpu", "to_host_seconds", round(value, 6), "s", device=str(device),
              encoding_dtype=kind, rows=rows, seq=seq, baseline="auto",
              ratio=round(value / seconds["auto"], 3))
+
+
+def random_llama_backend(config):
+    """Pool backend factory (`backend: "eagle_ray.bench.gpu:random_llama_backend"`): the HF
+    backend on a random Llama built where the replica runs -- no checkpoint to write or read.
+    `backend_kwargs`: `small` (tiny shape), `layers` (decoder layers kept)."""
+    from eagle_ray.hf_target import HFEagle3TargetModel
+
+    options = config.backend_kwargs
+    device = torch.device("cuda" if config.use_gpu else "cpu")
+    dtype = torch.bfloat16 if config.use_gpu else torch.float32
+    shape = SHAPES["small" if options.get("small") else "llama3.1-8b"]
+    return HFEagle3TargetModel(_llama(shape, dtype, device, layers=options.get("layers")))
+
+
+def pool_vs_in_process(device: torch.device, small: bool, rounds: int = 3) -> None:
+    """Supervision tokens/s of a one-replica HF pool on `device` vs the same backend in this
+    process returning host memory (what a replica returns), interleaved rounds."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        logger.info("Ray is not importable: the pool comparison is skipped")
+        return
+    import ray
+
+    from eagle_ray.bench import NAMESPACE
+    from eagle_ray.pool import ClientConfig, PoolConfig, TargetPool
+
+    gpu = device.type == "cuda"
+    ray.init(num_cpus=4, num_gpus=1 if gpu else 0, object_store_memory=2 * 2**30,
+             include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    layers = None if small else 8  # an 8B-wide target, shallower: two copies on one GPU
+    config = PoolConfig(backend="eagle_ray.bench.gpu:random_llama_backend", use_gpu=gpu,
+                        backend_kwargs={"small": small, "layers": layers},
+                        cpus_per_bundle=1.0, name="bench-gpu", namespace=NAMESPACE)
+    pool = TargetPool.create(config)
+    try:
+        in_process = random_llama_backend(config)
+        rows, seq = 8, 64 if small else 2048
+        batches = [_micro_batch(in_process.vocab_size, rows, seq) for _ in range(8)]
+        client = pool.client(ClientConfig(max_inflight_micro_batches=4))
+        rates: dict[str, list[float]] = {"in_process": [], "pool_1_replica": []}
+        list(client.stream(batches[:2]))  # warm-up
+        for b in batches[:2]:
+            in_process.generate_batch(*b, device="cpu")
+        for _ in range(rounds):
+            rates["pool_1_replica"].append(
+                rows * seq * len(batches) / best_seconds(lambda: list(client.stream(batches)), 1))
+            rates["in_process"].append(rows * seq * len(batches) / best_seconds(
+                lambda: [in_process.generate_batch(*b, device="cpu") for b in batches], 1))
+        best = {path: max(values) for path, values in rates.items()}
+        for path, rate in best.items():
+            emit("gpu", "pool_supervision_tokens_per_s", round(rate, 1), "tok/s",
+                 device=str(device), path=path, rows=rows, seq=seq, layers=layers,
+                 baseline="in_process", ratio=round(rate / best["in_process"], 3))
+    finally:
+        pool.shutdown()
+        ray.shutdown()
 
 
 def _peak_bytes(device: torch.device, fn: Callable[[], None]) -> int:
