@@ -133,7 +133,9 @@ def _regenerate(args: argparse.Namespace) -> int:
     _job_console(job, args.verbose)
     settings = job.regenerate
     init_ray(job, log_to_driver=args.verbose)
-    with job_pool(job) as (pool, served):
+    # The pool's engines are sized for regeneration's prompts and answers too.
+    regenerating = dataclasses.replace(job, regenerate=dataclasses.replace(settings, enabled=True))
+    with job_pool(regenerating) as (pool, served):
         tokenizer = AutoTokenizer.from_pretrained(job.target.model_path or served.model_path)
         report = regenerate_file(
             pool.client(), tokenizer, args.input, args.output,

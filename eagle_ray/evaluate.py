@@ -104,7 +104,10 @@ def vllm_acceptance(model_path: str, draft_dir: str | Path, prompts: list[list[i
 
     defaults = CPU_DEFAULTS if current_platform.is_cpu() else GPU_DEFAULTS
     with native_output_to_log():
+        # Sized for these prompts, not the checkpoint's max_position_embeddings (131,072 for a
+        # Llama-3.1 would not fit the CPU's KV budget): docs in eagle_ray.engine_sizing.
         llm = build_llm({**defaults, "model": model_path, "dtype": dtype,
+                         "max_model_len": max(map(len, prompts)) + max_new_tokens + 1,
                          "disable_log_stats": False,
                          "speculative_config": speculative_config(draft_dir, k)},
                         multiprocess=True)

@@ -178,15 +178,19 @@ def cached_job_data(config: JobConfig, cache: SupervisionCache):
 @contextlib.contextmanager
 def job_pool(config: JobConfig) -> Iterator[tuple[Any, TargetIdentity]]:
     """The job's pool and what it serves, checked against the job's target settings: started
-    for the job (and shut down after it), or the shared one named `target.name`."""
+    for the job (and shut down after it, its engines sized for the job's longest sequence), or
+    the shared one named `target.name` (refused when its engines take shorter rows)."""
+    from eagle_ray.engine_sizing import check_rows_fit, sized_pool_config
     from eagle_ray.identity import check_job_target
     from eagle_ray.pool import TargetPool
 
-    owned = None if config.use_shared_pool else TargetPool.create(config.target)
+    owned = None if config.use_shared_pool else TargetPool.create(sized_pool_config(config))
     try:
         pool = owned or TargetPool.connect(config.target.name, config.target.namespace)
         served = pool.identity(config.target.ready_timeout_s)
         check_job_target(config.target, served)
+        if owned is None:
+            check_rows_fit(config, served.max_length)
         logger.info("the pool serves %s", served.describe())
         yield pool, served
     finally:

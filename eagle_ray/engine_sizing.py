@@ -1,0 +1,48 @@
+"""A job's vLLM engines sized from what the job sends them, not from the checkpoint.
+
+A Llama-3.1 checkpoint says `max_position_embeddings: 131072`; an engine started with that
+`max_model_len` must fit one 131,072-token request in its KV cache before it serves anything,
+which the CPU default budget (512 MiB) refuses even for a tiny Llama-3.1-shaped target, and on
+a GPU it reserves for a length a 4,096-token job never sends. A job knows its longest
+sequence: training rows of `data.max_length`, and regeneration and evaluation prompts (rows of
+the same data) plus their new tokens. Engines get that, plus the one token vLLM samples,
+unless the job sets `target.vllm_kwargs.max_model_len` itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from eagle_ray.config import ConfigError, JobConfig, PoolConfig
+
+
+def longest_sequence(job: JobConfig) -> int:
+    """Tokens of the longest sequence the job sends a target engine (prompt + new tokens)."""
+    longest = job.data.max_length
+    if job.regenerate.enabled:
+        longest = max(longest, job.data.max_length + job.regenerate.max_new_tokens)
+    if job.eval.enabled:
+        longest = max(longest, job.data.max_length + job.eval.max_new_tokens)
+    return longest
+
+
+def sized_pool_config(job: JobConfig) -> PoolConfig:
+    """`job.target`, with vLLM engines' `max_model_len` set from `longest_sequence` (+ 1 for the
+    sampled token) unless the job sets it."""
+    target = job.target
+    if target.backend != "vllm" or "max_model_len" in target.vllm_kwargs:
+        return target
+    return dataclasses.replace(target, vllm_kwargs={**target.vllm_kwargs,
+                                                    "max_model_len": longest_sequence(job) + 1})
+
+
+def check_rows_fit(job: JobConfig, pool_max_length: int | None) -> None:
+    """A shared pool whose engines accept shorter rows than the job's is refused before
+    training, with both numbers (a job's own pool is sized for it)."""
+    if pool_max_length is not None and job.data.max_length > pool_max_length:
+        raise ConfigError(
+            f"data.max_length is {job.data.max_length} tokens but the shared pool "
+            f"{job.target.name!r} accepts rows of at most {pool_max_length} (its engines' "
+            f"max_model_len {pool_max_length + 1}): lower data.max_length to {pool_max_length}, "
+            f"or restart the pool with target.vllm_kwargs.max_model_len >= "
+            f"{longest_sequence(job) + 1}")
