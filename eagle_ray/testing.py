@@ -115,13 +115,17 @@ def fixed_latency_target(config) -> RunnerEagle3TargetModel:
 
     `backend_kwargs`: `vocab_size` (1024), `hidden_size` (8), `seconds_per_call` (0),
     `seconds_per_token` (0), the fault injections of `SyntheticRunner` (`fail_once_marker`,
-    `hold_while`, `hold_first_call_only`, `self_check_failure`), and `hold_restart_while`: a
-    file; a replica that Ray restarts does not come back while it exists (a test's gate).
+    `hold_while`, `hold_first_call_only`, `self_check_failure`), `hold_restart_while`: a
+    file; a replica that Ray restarts does not come back while it exists (a test's gate), and
+    `fail_start_while`: a file; a replica built while it exists fails to start.
     """
     options = {"vocab_size": 1024, "hidden_size": 8, "seconds_per_call": 0.0,
                "seconds_per_token": 0.0, **config.backend_kwargs}
     vocab, hidden = options.pop("vocab_size"), options.pop("hidden_size")
     restart_gate = options.pop("hold_restart_while", None)
+    start_failure = options.pop("fail_start_while", None)
+    if start_failure and os.path.exists(start_failure):
+        raise RuntimeError("synthetic start-up failure (fail_start_while)")
     if restart_gate and ray.get_runtime_context().was_current_actor_reconstructed:
         while os.path.exists(restart_gate):
             time.sleep(0.01)

@@ -91,6 +91,41 @@ def test_replicas_follow_demand_and_training_rides_through_exactly_once(local_ra
         pool.shutdown()
 
 
+def test_replicas_that_fail_to_start_stop_the_scaling_up_and_say_why(local_ray, tmp_path):
+    gate, broken = tmp_path / "hold", tmp_path / "broken"
+    gate.touch()
+    pool = synthetic_pool(
+        "autoscale-broken", replicas=1, bundle_resources={"slot": 1},
+        backend_kwargs={"hold_while": str(gate), "fail_start_while": str(broken)},
+        autoscaling=AutoscalingConfig(min_replicas=1, max_replicas=3,
+                                      target_outstanding_tokens_per_replica=100,
+                                      upscale_delay_s=0.2, downscale_delay_s=60.0,
+                                      interval_s=0.2))
+    try:
+        broken.touch()  # replica 0 is up; every replica built from now on fails to start
+        trainer = TrainerStandIn.remote("autoscale-broken", lease_reuse_s=0)
+        run = trainer.run.remote(40, seed=7)
+        wait_until(lambda: any(r["state"] == "failed" for r in pool.status()["replicas"].values()),
+                   what="a new replica failed to start")
+        failed = [r for r in pool.status()["replicas"].values() if r["state"] == "failed"]
+        assert "synthetic start-up failure" in failed[0]["error"]
+        wait_until(lambda: (pool.status()["autoscaling"] or {}).get("blocked") is not None,
+                   what="autoscaling stopped adding replicas")
+        report = pool.status()["autoscaling"]
+        added, rounds = report["replicas_added"], report["rounds"]
+        wait_until(lambda: pool.status()["autoscaling"]["rounds"] >= rounds + 10,
+                   what="ten more autoscaling rounds")
+        report = pool.status()["autoscaling"]
+        # One decision may add several at once (demand wants 3); none is added after.
+        assert report["replicas_added"] == added, "no replica added after the failure"
+        assert report["failed"] >= 1 and "failed to start" in report["blocked"]
+        gate.unlink()
+        result = ray.get(run, timeout=TIMEOUT_S)
+        assert all(result["correct"]), "the replica that started keeps serving"
+    finally:
+        pool.shutdown()
+
+
 def scrape(url: str, pool: str) -> dict[str, float]:
     """`{series name: value summed over the pool's samples}` from a Prometheus endpoint."""
     values: dict[str, float] = collections.defaultdict(float)

@@ -1,6 +1,7 @@
 """The Ray target pool: replica actors in placement groups, a router actor, a client.
 
-Public API: `TargetPool`, `PoolConfig`, `PoolClient`, `ClientConfig`, `MicroBatchFailed`. The
+Public API: `TargetPool`, `PoolConfig`, `PoolClient`, `ClientConfig`, `MicroBatchFailed`,
+`ReplicaStartupError`. The
 client (and with it torch) is imported on first use: managing a pool (`eagle-ray status`,
 `shutdown`) needs neither.
 """
@@ -8,9 +9,10 @@ client (and with it torch) is imported on first use: managing a pool (`eagle-ray
 from typing import Any
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
-from eagle_ray.pool.pool import TargetPool
+from eagle_ray.pool.pool import ReplicaStartupError, TargetPool
 
-__all__ = ["ClientConfig", "MicroBatchFailed", "PoolClient", "PoolConfig", "TargetPool"]
+__all__ = ["ClientConfig", "MicroBatchFailed", "PoolClient", "PoolConfig", "ReplicaStartupError",
+           "TargetPool"]
 
 
 def __getattr__(name: str) -> Any:

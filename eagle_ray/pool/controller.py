@@ -44,6 +44,8 @@ class PoolController:
         self._counts = {"scale_ups": 0, "scale_downs": 0, "replicas_added": 0,
                         "replicas_removed": 0}
         self._last: dict[str, Any] | None = None
+        self._blocked: str | None = None  # why scaling up stopped (replicas failed to start)
+        self._rounds = 0
         self._metrics = ControllerMetrics(config.name)
         self._task = asyncio.get_event_loop().create_task(self._run())
 
@@ -57,12 +59,23 @@ class PoolController:
 
     async def _tick(self) -> None:
         demand = await self._router.demand.remote()
+        failed = sorted(name for name, (state, _) in demand["replicas"].items()
+                        if state == ReplicaState.FAILED.value)
         supply = {name: (state, load) for name, (state, load) in demand["replicas"].items()
-                  if state != ReplicaState.DRAINING.value and name not in self._removing}
+                  if state not in (ReplicaState.DRAINING.value, ReplicaState.FAILED.value)
+                  and name not in self._removing}
         decision = self._policy.decide(time.monotonic(), demand["tokens"], len(supply))
+        if decision is not None and decision.replicas > len(supply) and failed:
+            # Every replica is built from the same configuration: a new one would fail alike.
+            if self._blocked is None:
+                logger.warning("autoscaling stops adding replicas: %s failed to start (their "
+                               "error is in the pool's status)", ", ".join(failed))
+            self._blocked = f"{', '.join(failed)} failed to start; not adding replicas"
+            decision = None
         if decision is not None:
             await self._apply(decision, supply)
-        await self._report(demand["tokens"], supply)
+        self._rounds += 1
+        await self._report(demand["tokens"], supply, len(failed))
 
     async def _apply(self, decision: ScalingDecision, supply: dict[str, tuple[str, int]]) -> None:
         change = decision.replicas - len(supply)
@@ -107,11 +120,12 @@ class PoolController:
     def _index(self, name: str) -> int:
         return int(name[len(self._config.replica_prefix):])
 
-    async def _report(self, demand_tokens: int, supply: dict[str, tuple[str, int]]) -> None:
+    async def _report(self, demand_tokens: int, supply: dict[str, tuple[str, int]],
+                      failed: int) -> None:
         ready = sum(state == ReplicaState.READY.value for state, _ in supply.values())
         counts = {"desired": self._policy.wanted(demand_tokens), "ready": ready,
                   "starting": sum(state == ReplicaState.STARTING.value
-                                  for state, _ in supply.values())}
+                                  for state, _ in supply.values()), "failed": failed}
         for kind, value in counts.items():
             self._metrics.replicas.set(value, tags={**self._metrics.tags, "kind": kind})
         self._metrics.demand.set(demand_tokens, tags=self._metrics.tags)
@@ -120,4 +134,5 @@ class PoolController:
             "min_replicas": cfg.min_replicas, "max_replicas": cfg.max_replicas,
             "target_outstanding_tokens_per_replica": cfg.target_outstanding_tokens_per_replica,
             **counts, "replicas": len(supply), "removing": len(self._removing),
-            **self._counts, "last_decision": self._last})
+            **self._counts, "last_decision": self._last, "blocked": self._blocked,
+            "rounds": self._rounds})

@@ -28,6 +28,33 @@ class FailureKind(enum.Enum):
     """This replica or attempt failed. Restart the engine, re-run elsewhere."""
 
 
+# What to change when a replica's backend cannot be built: (words in the error, the advice).
+STARTUP_HINTS = (
+    (("max seq len", "max_model_len", "KV cache"),
+     "lower target.vllm_kwargs.max_model_len (a job sizes it from data.max_length) or give the "
+     "engine more KV cache memory (target.vllm_kwargs.gpu_memory_utilization, or "
+     "kv_cache_memory_bytes on the CPU)"),
+    (("vllm_kwargs", "unexpected keyword", "EngineArgs"),
+     "fix target.vllm_kwargs (keys are vllm.LLM's arguments; the backend owns model, "
+     "speculative_config, kv_transfer_config and skip_tokenizer_init)"),
+    (("safetensors", "No such file", "does not appear to have", "not a valid"),
+     "point target.model_path at an HF checkpoint folder with config.json and safetensors "
+     "weights"),
+    (("tokenizer",), "give target.model_path a folder with the tokenizer files, or pass "
+     "target.vllm_kwargs.tokenizer"),
+)
+
+
+def startup_error(error: BaseException) -> str:
+    """The message a pool reports for a replica whose backend could not be built: the error
+    itself and, where it is recognised, the config key to change."""
+    message = f"{type(error).__name__}: {error}"
+    for words, advice in STARTUP_HINTS:
+        if any(word.lower() in message.lower() for word in words):
+            return f"{message} -- {advice}"
+    return message
+
+
 def classify(error: BaseException) -> FailureKind:
     """The kind of `error` (the original exception, not Ray's wrapper)."""
     if isinstance(error, SelfCheckError | NotImplementedError):  # e.g. a backend without text

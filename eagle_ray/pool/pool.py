@@ -10,12 +10,14 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 
+from eagle_ray.config.loader import ConfigError
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.controller import PoolController
 from eagle_ray.pool.placement import replica_bundles
 from eagle_ray.pool.replicas import (
     kill_replica,
+    pending_placement_groups,
     placement_groups,
     replica_indices,
     start_replica,
@@ -28,6 +30,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ROUTER_RESTART_WAIT_S = 120.0
+
+class ReplicaStartupError(ConfigError):
+    """Replicas could not build their target backend (the engine's own error, and the config
+    key to change); the same configuration would fail on every replica, so the pool stops."""
+
 
 _RouterActor = ray.remote(PoolRouter)
 _ControllerActor = ray.remote(PoolController)
@@ -68,7 +75,8 @@ class TargetPool:
             config: the pool to build (README, "Pool config keys"); its `name` and `namespace`
                 name every actor and placement group.
             wait: block until all replicas are ready (up to `config.ready_timeout_s`, then
-                `TimeoutError` naming the resources that are missing).
+                `TimeoutError` saying what is missing; `ReplicaStartupError` at once, with the
+                pool shut down, when replicas cannot build their backend).
         """
         if not ray.is_initialized():
             ray.init(namespace=config.namespace)
@@ -90,7 +98,11 @@ class TargetPool:
                 max_restarts=-1, num_cpus=0, resources=dict(config.router_resources),
             ).remote(config)
         if wait and replicas:
-            pool.wait_ready(replicas, config.ready_timeout_s)
+            try:
+                pool.wait_ready(replicas, config.ready_timeout_s)
+            except (ReplicaStartupError, TimeoutError):
+                pool.shutdown()  # nothing of a pool that cannot serve stays on the cluster
+                raise
         return pool
 
     @classmethod
@@ -131,19 +143,45 @@ class TargetPool:
         return index
 
     def wait_ready(self, min_replicas: int, timeout_s: float = 600.0) -> dict[str, Any]:
-        """Block until at least `min_replicas` replicas are ready; returns the status."""
-        deadline = time.monotonic() + timeout_s
+        """Block until at least `min_replicas` replicas are ready; returns the status. Replicas
+        that cannot build their backend end the wait at once (`ReplicaStartupError`, with the
+        engine's message) when too few are left to reach `min_replicas`."""
+        started = time.monotonic()
         while True:
             status = self.status()
             if status["ready_replicas"] >= min_replicas:
                 return status
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"only {status['ready_replicas']} of {min_replicas} replicas ready after "
-                    f"{timeout_s:.0f}s: {status['replicas']}; pending placement groups mean the "
-                    f"cluster lacks resources for {self.config.tp_size} bundle(s) of "
-                    f"{replica_bundles(self.config)[0]}")
+            failed = {name: r["error"] for name, r in status["replicas"].items()
+                      if r["state"] == "failed"}
+            if failed and len(status["replicas"]) - len(failed) < min_replicas:
+                name, error = next(iter(failed.items()))
+                raise ReplicaStartupError(
+                    f"{len(failed)} of {len(status['replicas'])} replicas of pool "
+                    f"{self.config.name!r} could not start their target backend ({name}: "
+                    f"{error})")
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(self._not_ready(status, min_replicas, timeout_s))
             time.sleep(0.5)
+
+    def _not_ready(self, status: dict[str, Any], min_replicas: int, waited_s: float) -> str:
+        """Why replicas are not ready: no resources yet, or still starting, or not answering."""
+        states = [r["state"] for r in status["replicas"].values()]
+        pending = pending_placement_groups(self.config)
+        reasons = []
+        if pending:
+            reasons.append(f"no resources yet: {pending} placement group(s) pending, each "
+                           f"{self.config.tp_size} bundle(s) of "
+                           f"{replica_bundles(self.config)[0]} (add nodes, or let the "
+                           f"autoscaler)")
+        starting = states.count("starting") - pending
+        if starting > 0:
+            reasons.append(f"{starting} replica(s) placed and still starting after "
+                           f"{waited_s:.0f}s (loading the engine; raise ready_timeout_s for a "
+                           f"large checkpoint)")
+        if "suspect" in states:
+            reasons.append(f"{states.count('suspect')} replica(s) not answering")
+        return (f"only {status['ready_replicas']} of {min_replicas} replicas ready after "
+                f"{waited_s:.0f}s: " + "; ".join(reasons or ["no replica was started"]))
 
     def status(self) -> dict[str, Any]:
         """The router's view: per replica state, outstanding tokens, tokens/s, errors, restarts."""

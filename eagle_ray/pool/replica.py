@@ -21,7 +21,7 @@ import torch
 from eagle_ray.config.pool import PoolConfig
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.engine_queue import EngineQueue
-from eagle_ray.pool.failures import FailureKind, classify
+from eagle_ray.pool.failures import FailureKind, classify, startup_error
 from eagle_ray.pool.transport import Payload, batch_to_numpy
 from eagle_ray.target_batch import validate_micro_batch, validate_prompts
 from eagle_ray.target_runner import RunnerEagle3TargetModel, Sampling
@@ -87,7 +87,15 @@ class TargetReplica:
         logging.basicConfig(level=logging.INFO)
         self.index = index
         self.started = time.time()
-        self.backend = build_backend(config)
+        self.startup_error: str | None = None
+        try:
+            self.backend = build_backend(config)
+        except Exception as e:
+            # Kept, not raised: Ray would restart the actor and fail again, forever. The router
+            # marks the replica failed and the pool reports why (`ReplicaState.FAILED`).
+            logger.exception("replica %d: the target backend could not be built", index)
+            self.startup_error = startup_error(e)
+            return
         self.identity = TargetIdentity.of_backend(self.backend, resolve_model_path(config))
         self.encoding_dtype = config.encoding_dtype
         self.served_tokens = 0
@@ -107,10 +115,11 @@ class TargetReplica:
         """Where this replica runs and what its target accepts (also the router's liveness
         probe; its own concurrency group, so it answers while `generate` is busy)."""
         context = ray.get_runtime_context()
+        where = {"index": self.index, "node_id": context.get_node_id(), "pid": os.getpid()}
+        if self.startup_error is not None:
+            return {**where, "startup_error": self.startup_error}
         return {
-            "index": self.index,
-            "node_id": context.get_node_id(),
-            "pid": os.getpid(),
+            **where,
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "vocab_size": self.backend.vocab_size,
             "max_length": self.backend.max_length,

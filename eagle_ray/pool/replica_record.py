@@ -60,4 +60,5 @@ class ReplicaRecord:
             "restarts": self.restarts,
             "node_id": self.node_id,
             "pid": self.pid,
+            **({"error": self.info["startup_error"]} if "startup_error" in self.info else {}),
         }

@@ -68,6 +68,13 @@ def replica_indices(config: PoolConfig) -> list[int]:
                   if a["namespace"] == config.namespace and a["name"].startswith(prefix))
 
 
+def pending_placement_groups(config: PoolConfig) -> int:
+    """How many of the pool's placement groups wait for resources the cluster lacks."""
+    prefix = config.replica_prefix
+    return sum(info["name"].startswith(prefix) and info["state"] == "PENDING"
+               for info in ray.util.placement_group_table().values())
+
+
 def placement_groups(config: PoolConfig) -> list[PlacementGroup]:
     """The pool's placement groups not yet removed."""
     prefix = config.replica_prefix

@@ -169,7 +169,9 @@ class PoolRouter:
             replica.restarts += 1
             self._metrics.restarts.inc(tags=self._metrics.replica(replica.name))
         replica.pid, replica.node_id, replica.info = info["pid"], info["node_id"], info
-        if replica.state in (ReplicaState.STARTING, ReplicaState.SUSPECT):
+        if "startup_error" in info:  # its backend could not be built: no leases, no retries
+            replica.state = ReplicaState.FAILED
+        elif replica.state in (ReplicaState.STARTING, ReplicaState.SUSPECT):
             replica.state = ReplicaState.READY
             logger.info("replica %s ready (pid %s, node %s)", replica.name, replica.pid,
                         replica.node_id)

@@ -23,6 +23,10 @@ class ReplicaState(enum.Enum):
     DRAINING = "draining"
     """Being removed: no new leases, leases already granted finish."""
 
+    FAILED = "failed"
+    """Its target backend could not be built (the engine's error is in `status()`); it takes
+    no leases and is not restarted: the same configuration would fail the same way."""
+
 
 class MicroBatchPhase(enum.Enum):
     """Where one submitted micro-batch stands in its client."""
