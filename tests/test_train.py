@@ -1,17 +1,24 @@
 """End to end: the pool feeds Ray Train workers, the draft learns, exports, and vLLM serves it.
 
 One training run (module fixture) backs the assertions; a second run resumes from its checkpoint.
+The target is the kit's pre-trained tiny Llama with Llama-3.1's context length (131,072
+positions), and the job sets no vLLM option: the job sizes its engines (`engine_sizing`), which
+sized from the checkpoint would not fit the CPU's KV budget.
 """
 
+import functools
 import json
 import os
 import shlex
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from eagle_ray.config import JobConfig, load_yaml
 from eagle_ray.report import REPORT_SIZE_PX
+from eagle_ray.tiny import tiny_target
 from eagle_ray.train import run_job
 
 from pool_helpers import running_ray
@@ -23,10 +30,23 @@ pytestmark = pytest.mark.slow
 STEPS = 60
 
 
+@functools.cache
+def llama_3_1_shaped_target() -> Path:
+    """The pre-trained tiny Llama, saying `max_position_embeddings: 131072` as Llama-3.1 does
+    (the same weights: the rotary embedding does not read it)."""
+    path = Path(tempfile.mkdtemp(prefix="llama-3.1-shaped-")) / "target"
+    shutil.copytree(tiny_target("llama", pretrained=True), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 131072}))
+    return path
+
+
 def job(output_dir, *overrides: str) -> JobConfig:
-    """The main job's config (examples/tiny.yaml), shortened for a test."""
+    """The main job's config (examples/tiny.yaml), shortened for a test, on the Llama-3.1-shaped
+    tiny target (no vLLM setting)."""
     return load_yaml(JobConfig, ROOT / "examples" / "tiny.yaml", [
-        "target.name=train-test", "target.namespace=eagle_ray_test", "data.num_samples=200",
+        f"target.model_path={llama_3_1_shaped_target()}", "target.name=train-test",
+        "target.namespace=eagle_ray_test", "data.num_samples=200",
         "data.eval_samples=8", f"train.steps={STEPS}", "train.checkpoint_every=30",
         "train.log_every=10", "train.warmup_steps=10", "eval.prompts=6",
         "eval.max_new_tokens=24", f"output_dir={output_dir}", "run_name=train-test",
