@@ -8,28 +8,24 @@ while matmuls and attention run in bf16: half the activation memory and the GPU'
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
 
 import torch
 
 from eagle_ray.target_batch import Eagle3TargetBatch
 
-Precision = Literal["auto", "bf16", "fp32"]
-PRECISIONS: tuple[str, ...] = ("auto", "bf16", "fp32")
+PRECISIONS: tuple[str, ...] = ("auto", "bf16", "fp32")  # `train.precision`
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """The dtype training autocasts to on `device` (None: fp32 throughout).
 
     `auto` is bf16 on a GPU that has it, fp32 elsewhere (the CPU's bf16 is slower than its
-    fp32). fp32 on a GPU allows TF32 matmuls. bf16 asked of a GPU without it is an error.
+    fp32). bf16 asked of a GPU without it is an error.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"train.precision must be one of {PRECISIONS}, got {precision!r}")
     if device.type != "cuda":
         return torch.bfloat16 if precision == "bf16" else None
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
     has_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
     if precision == "bf16" and not has_bf16:
         raise ValueError(f"train.precision: bf16 needs a GPU with bf16 (Ampere or newer); "

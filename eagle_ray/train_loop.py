@@ -54,6 +54,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     torch.manual_seed(train.seed)
     device = ray.train.torch.get_device()
     precision = autocast_dtype(train.precision, device)  # None: fp32 throughout
+    if device.type == "cuda":  # fp32 matmuls (fp32 precision, or what autocast leaves) use TF32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
     served = TargetIdentity.from_dict(loop_config["target"])
     target_config = AutoConfig.from_pretrained(loop_config["model_path"])

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 ROUTER_RESTART_WAIT_S = 120.0
 
+
 class ReplicaStartupError(ConfigError):
     """Replicas could not build their target backend (the engine's own error, and the config
     key to change); the same configuration would fail on every replica, so the pool stops."""

@@ -102,7 +102,9 @@ class TargetReplica:
         self.served_micro_batches = 0
         self._count_lock = threading.Lock()
         # Supervision leaves the engine for host memory (the object store); for fp8 it is
-        # quantised first, on the engine's device, so the copy moves half the bytes too.
+        # quantised first, on the engine's device, so the copy moves half the bytes too (vLLM
+        # hands its states over in host memory: they make a trip to the GPU for it, which costs
+        # less than quantising a batch on the host's cores).
         where = None if config.encoding_dtype == "fp8" else "cpu"
         self.engine = EngineQueue(lambda mb: self.backend.generate_batch(*mb, device=where),
                                   self._serve,
