@@ -117,7 +117,8 @@ def fixed_latency_target(config) -> RunnerEagle3TargetModel:
     `seconds_per_token` (0), the fault injections of `SyntheticRunner` (`fail_once_marker`,
     `hold_while`, `hold_first_call_only`, `self_check_failure`), `hold_restart_while`: a
     file; a replica that Ray restarts does not come back while it exists (a test's gate), and
-    `fail_start_while`: a file; a replica built while it exists fails to start.
+    `fail_start_while` / `abort_start_while`: a file; a replica built while it exists raises /
+    its process exits (no exception to catch) while building its backend.
     """
     options = {"vocab_size": 1024, "hidden_size": 8, "seconds_per_call": 0.0,
                "seconds_per_token": 0.0, **config.backend_kwargs}
@@ -126,6 +127,9 @@ def fixed_latency_target(config) -> RunnerEagle3TargetModel:
     start_failure = options.pop("fail_start_while", None)
     if start_failure and os.path.exists(start_failure):
         raise RuntimeError("synthetic start-up failure (fail_start_while)")
+    start_abort = options.pop("abort_start_while", None)
+    if start_abort and os.path.exists(start_abort):
+        os._exit(1)
     if restart_gate and ray.get_runtime_context().was_current_actor_reconstructed:
         while os.path.exists(restart_gate):
             time.sleep(0.01)

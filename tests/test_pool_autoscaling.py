@@ -119,6 +119,10 @@ def test_replicas_that_fail_to_start_stop_the_scaling_up_and_say_why(local_ray, 
         # One decision may add several at once (demand wants 3); none is added after.
         assert report["replicas_added"] == added, "no replica added after the failure"
         assert report["failed"] >= 1 and "failed to start" in report["blocked"]
+        failures = sum(r["state"] == "failed" for r in pool.status()["replicas"].values())
+        wait_until(lambda: scrape(local_ray, "autoscale-broken").get(
+            "ray_eagle_ray_pool_failed_replicas") == failures,
+            what=f"{failures} failed replica(s) in telemetry")
         gate.unlink()
         result = ray.get(run, timeout=TIMEOUT_S)
         assert all(result["correct"]), "the replica that started keeps serving"

@@ -86,3 +86,42 @@ def test_a_pool_the_cluster_cannot_place_times_out_naming_the_missing_resources(
                                            r"of \{'CPU': 64"):
         TargetPool.create(config)
     assert placement_groups(config) == []
+
+
+def synthetic_config(name: str, **backend_kwargs) -> PoolConfig:
+    return PoolConfig(backend="eagle_ray.testing:fixed_latency_target", cpus_per_bundle=0.5,
+                      backend_kwargs=backend_kwargs, name=name, namespace="eagle_ray_test",
+                      ready_timeout_s=600)
+
+
+def test_a_replica_whose_process_dies_while_starting_is_not_restarted_forever(cluster, tmp_path):
+    abort = tmp_path / "abort"
+    abort.touch()  # every construction exits the process: no exception for the replica to keep
+    config = synthetic_config("startup-abort", abort_start_while=str(abort))
+    started = time.monotonic()
+    with pytest.raises(ReplicaStartupError, match="process died 2 times while building") as e:
+        TargetPool.create(config)
+    assert time.monotonic() - started < 120, "not the ready timeout (600 s)"
+    assert "ray logs actor --id" in str(e.value)
+    assert replica_indices(config) == [] and placement_groups(config) == []
+
+
+def test_a_shared_pool_whose_replicas_all_failed_refuses_clients_at_once(cluster, tmp_path):
+    broken = tmp_path / "broken"
+    broken.touch()
+    config = synthetic_config("startup-shared", fail_start_while=str(broken))
+    pool = TargetPool.create(config, wait=False)  # as `eagle-ray serve` leaves one running
+    try:
+        started = time.monotonic()
+        with pytest.raises(ReplicaStartupError, match="synthetic start-up failure"):
+            pool.identity(timeout_s=600)
+        with pytest.raises(ReplicaStartupError, match="synthetic start-up failure"):
+            pool.client()  # what a job's trainers do with a shared pool
+        assert time.monotonic() - started < 120, "not the 600 s waits"
+        assert pool.status()["replicas"][config.replica_name(0)]["state"] == "failed"
+        # Control: a replica that starts lets both through.
+        broken.unlink()
+        pool.add_replica()
+        assert pool.identity(timeout_s=600).vocab_size == 1024
+    finally:
+        pool.shutdown()

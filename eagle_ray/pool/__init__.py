@@ -9,7 +9,8 @@ client (and with it torch) is imported on first use: managing a pool (`eagle-ray
 from typing import Any
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
-from eagle_ray.pool.pool import ReplicaStartupError, TargetPool
+from eagle_ray.pool.pool import TargetPool
+from eagle_ray.pool.protocol import ReplicaStartupError
 
 __all__ = ["ClientConfig", "MicroBatchFailed", "PoolClient", "PoolConfig", "ReplicaStartupError",
            "TargetPool"]

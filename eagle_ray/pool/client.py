@@ -32,7 +32,7 @@ from eagle_ray.config.pool import ClientConfig
 from eagle_ray.pool import replica_calls
 from eagle_ray.pool.failures import FailureKind, classify
 from eagle_ray.pool.inflight import InFlightMicroBatch, Window, client_stats
-from eagle_ray.pool.router import NoReplicaAvailable
+from eagle_ray.pool.protocol import NoReplicaAvailable
 from eagle_ray.pool.router_link import ROUTER_RETRY_S, Lease, RouterLink, RouterUnavailable
 from eagle_ray.pool.states import MicroBatchPhase
 from eagle_ray.pool.transport import pack_inputs

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import enum
 
+from ray.experimental import internal_kv
+
 from eagle_ray.target_runner import SelfCheckError
+
+# A replica whose process dies this many times while building its backend (an abort, a segfault,
+# the out-of-memory killer: nothing it could catch) stops trying and reports itself failed.
+DEATHS_WHILE_STARTING = 2
 
 
 class FailureKind(enum.Enum):
@@ -62,3 +68,31 @@ def classify(error: BaseException) -> FailureKind:
     if isinstance(error, ValueError | TypeError):
         return FailureKind.BAD_INPUT
     return FailureKind.TRANSIENT
+
+
+class StartAttempts:
+    """Constructions of one replica actor that died unfinished, counted in Ray's key-value store
+    under the actor's id (which Ray's restarts keep): an exception is kept by the replica itself,
+    but a process that dies while building its backend leaves only this count behind, so the
+    restarted actor knows not to try forever."""
+
+    def __init__(self, actor_id: str) -> None:
+        self.actor_id = actor_id
+        self._key = f"eagle_ray:constructions:{actor_id}".encode()
+
+    def begin(self) -> int:
+        """Count this construction; returns how many before it died unfinished."""
+        died = int(internal_kv._internal_kv_get(self._key) or 0)
+        internal_kv._internal_kv_put(self._key, str(died + 1).encode())
+        return died
+
+    def end(self) -> None:
+        """This construction finished (built, or failed with an error the replica keeps)."""
+        internal_kv._internal_kv_del(self._key)
+
+    def error(self, died: int) -> str:
+        """The start-up error of a replica whose earlier constructions died."""
+        return (f"the replica's process died {died} times while building its target backend "
+                f"(an abort, a crash or the out-of-memory killer; the reason is in its worker "
+                f"log: `ray logs actor --id {self.actor_id}`) -- check the node's free memory "
+                f"and target.vllm_kwargs (gpu_memory_utilization, max_model_len)")

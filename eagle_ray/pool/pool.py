@@ -10,11 +10,11 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 
-from eagle_ray.config.loader import ConfigError
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.controller import PoolController
 from eagle_ray.pool.placement import replica_bundles
+from eagle_ray.pool.protocol import ReplicaStartupError
 from eagle_ray.pool.replicas import (
     kill_replica,
     pending_placement_groups,
@@ -30,11 +30,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ROUTER_RESTART_WAIT_S = 120.0
-
-
-class ReplicaStartupError(ConfigError):
-    """Replicas could not build their target backend (the engine's own error, and the config
-    key to change); the same configuration would fail on every replica, so the pool stops."""
 
 
 _RouterActor = ray.remote(PoolRouter)
@@ -155,11 +150,7 @@ class TargetPool:
             failed = {name: r["error"] for name, r in status["replicas"].items()
                       if r["state"] == "failed"}
             if failed and len(status["replicas"]) - len(failed) < min_replicas:
-                name, error = next(iter(failed.items()))
-                raise ReplicaStartupError(
-                    f"{len(failed)} of {len(status['replicas'])} replicas of pool "
-                    f"{self.config.name!r} could not start their target backend ({name}: "
-                    f"{error})")
+                raise ReplicaStartupError.of(self.config.name, failed, len(status["replicas"]))
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(self._not_ready(status, min_replicas, timeout_s))
             time.sleep(0.5)

@@ -21,7 +21,13 @@ import torch
 from eagle_ray.config.pool import PoolConfig
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.engine_queue import EngineQueue
-from eagle_ray.pool.failures import FailureKind, classify, startup_error
+from eagle_ray.pool.failures import (
+    DEATHS_WHILE_STARTING,
+    FailureKind,
+    StartAttempts,
+    classify,
+    startup_error,
+)
 from eagle_ray.pool.transport import Payload, batch_to_numpy
 from eagle_ray.target_batch import validate_micro_batch, validate_prompts
 from eagle_ray.target_runner import RunnerEagle3TargetModel, Sampling
@@ -88,7 +94,13 @@ class TargetReplica:
         self.index = index
         self.started = time.time()
         self.startup_error: str | None = None
+        attempts = StartAttempts(ray.get_runtime_context().get_actor_id())
+        died = attempts.begin()
         try:
+            if died >= DEATHS_WHILE_STARTING:
+                self.startup_error = attempts.error(died)
+                logger.error("replica %d: %s", index, self.startup_error)
+                return
             self.backend = build_backend(config)
         except Exception as e:
             # Kept, not raised: Ray would restart the actor and fail again, forever. The router
@@ -96,6 +108,8 @@ class TargetReplica:
             logger.exception("replica %d: the target backend could not be built", index)
             self.startup_error = startup_error(e)
             return
+        finally:
+            attempts.end()
         self.identity = TargetIdentity.of_backend(self.backend, resolve_model_path(config))
         self.encoding_dtype = config.encoding_dtype
         self.served_tokens = 0

@@ -16,12 +16,19 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import psutil
 import ray
 from ray.actor import ActorHandle
 
+from eagle_ray.pool.protocol import (
+    Grant,
+    LeaseReport,
+    NoReplicaAvailable,
+    Releases,
+    ReplicaStartupError,
+)
 from eagle_ray.pool.replica_record import ReplicaRecord
 from eagle_ray.pool.routing import choose_replica
 from eagle_ray.pool.states import ReplicaState
@@ -34,29 +41,6 @@ HEALTH_PERIOD_S = 2.0  # ready replicas are probed this often (restarts show as 
 # A ready replica's probe runs beside its engine calls (its own concurrency group) and answers in
 # milliseconds; one that does not answer this long is dead with its restart pending.
 PROBE_TIMEOUT_S = 10.0
-
-
-# A lease: the replica's actor name and id (the client keeps a handle per id, `RouterLink`).
-Grant = tuple[str, str]
-
-
-class LeaseReport(NamedTuple):
-    """What a client tells the router about a lease: a micro-batch's outcome on it (`ok`; None
-    when there is none: a lease handed back unused) and, once the client hands the lease back,
-    its tokens (`returned_tokens`; None while the client passes it on to its next micro-batch)."""
-
-    replica: str
-    served_tokens: int
-    ok: bool | None
-    replica_died: bool = False
-    returned_tokens: int | None = None
-
-
-Releases = list[LeaseReport] | tuple[()]
-
-
-class NoReplicaAvailable(RuntimeError):
-    """No replica could take a micro-batch in time; the message lists the replicas' states."""
 
 
 class PoolRouter:
@@ -134,9 +118,10 @@ class PoolRouter:
                         self._probe_soon(replica)
                 if health_round:
                     self._last_health = time.monotonic()
-                self._metrics.ready.set(
-                    sum(r.state is ReplicaState.READY for r in self._replicas.values()),
-                    tags={"pool": self._metrics.pool})
+                for state, gauge in ((ReplicaState.READY, self._metrics.ready),
+                                     (ReplicaState.FAILED, self._metrics.failed)):
+                    gauge.set(sum(r.state is state for r in self._replicas.values()),
+                              tags={"pool": self._metrics.pool})
             except Exception:  # keep discovering whatever one round hit
                 logger.exception("replica discovery failed")
             await asyncio.sleep(DISCOVERY_PERIOD_S)
@@ -171,12 +156,15 @@ class PoolRouter:
         replica.pid, replica.node_id, replica.info = info["pid"], info["node_id"], info
         if "startup_error" in info:  # its backend could not be built: no leases, no retries
             replica.state = ReplicaState.FAILED
+            logger.error("replica %s failed to start: %s", replica.name, info["startup_error"])
         elif replica.state in (ReplicaState.STARTING, ReplicaState.SUSPECT):
             replica.state = ReplicaState.READY
             logger.info("replica %s ready (pid %s, node %s)", replica.name, replica.pid,
                         replica.node_id)
-            async with self._changed:
-                self._changed.notify_all()
+        else:
+            return
+        async with self._changed:  # wakes lease requests, and waits that fail on FAILED
+            self._changed.notify_all()
 
     # ------------------------------------------------------------------ leases
 
@@ -226,6 +214,7 @@ class PoolRouter:
             grant = self._try_grant(num_tokens, avoid, client_node)
             if grant is not None:
                 return grant
+            self._raise_if_all_failed()
             if not await self._wait_for_change(deadline):
                 raise NoReplicaAvailable(
                     f"no replica accepted micro-batch {micro_batch_id} ({num_tokens} tokens) "
@@ -346,5 +335,13 @@ class PoolRouter:
                 for replica in self._replicas.values():
                     if replica.state is ReplicaState.READY and replica.info:
                         return replica.info
+                self._raise_if_all_failed()
                 if not await self._wait_for_change(deadline):
                     raise NoReplicaAvailable(f"no replica became ready within {timeout_s:.0f}s")
+
+    def _raise_if_all_failed(self) -> None:
+        """Nothing to wait for once every replica failed to start: say why, now."""
+        errors = {name: r.info["startup_error"] for name, r in self._replicas.items()
+                  if r.state is ReplicaState.FAILED}
+        if errors and len(errors) == len(self._replicas):
+            raise ReplicaStartupError.of(self._metrics.pool, errors, len(self._replicas))

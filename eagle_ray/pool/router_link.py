@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.pool.inflight import InFlightMicroBatch
-from eagle_ray.pool.router import Grant, LeaseReport, NoReplicaAvailable
+from eagle_ray.pool.protocol import Grant, LeaseReport, NoReplicaAvailable
 
 logger = logging.getLogger(__name__)
 

@@ -32,6 +32,9 @@ class RouterMetrics:
             tag_keys=REPLICA_TAGS)
         self.ready = metrics.Gauge("eagle_ray_pool_ready_replicas", "replicas taking leases",
                                    tag_keys=("pool",))
+        self.failed = metrics.Gauge(
+            "eagle_ray_pool_failed_replicas", "replicas whose target backend could not be built "
+            "(not restarted; the error is in the pool's status)", tag_keys=("pool",))
         self.lease_wait = metrics.Histogram(
             "eagle_ray_pool_lease_wait_seconds", "time a lease request waited for a replica",
             boundaries=[0.001, 0.01, 0.1, 1.0, 10.0, 100.0], tag_keys=("pool",))
