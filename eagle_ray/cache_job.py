@@ -15,6 +15,7 @@ from typing import Any
 
 from eagle_ray.config import ClientConfig, ConfigError, JobConfig
 from eagle_ray.supervision_cache import SHARD_BYTES, SupervisionCacheWriter
+from eagle_ray.tokenizer_files import load_tokenizer, tokenizer_path
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,6 @@ def run_cache(config: JobConfig, log_to_driver: bool = True,
               shard_bytes: int = SHARD_BYTES) -> dict[str, Any]:
     """Write the cache; returns its summary (micro-batches, tokens, bytes per token, seconds)."""
     from tqdm import tqdm
-    from transformers import AutoTokenizer
 
     from eagle_ray.ingest import prepare_job_data
     from eagle_ray.resources import check_job_resources
@@ -41,9 +41,10 @@ def run_cache(config: JobConfig, log_to_driver: bool = True,
     with job_pool(config) as (pool, served):
         writer = SupervisionCacheWriter(config.data.supervision_cache, served,
                                         config.target.encoding_dtype, shard_bytes)
-        model_path = config.target.model_path or served.model_path
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        data = prepare_job_data(config, served, model_path, tokenizer,
+        tokenizer_at = tokenizer_path(config.target.model_path or served.model_path,
+                                      config.target.vllm_kwargs)
+        tokenizer = load_tokenizer(tokenizer_at, "eagle-ray cache (it renders the chat data)")
+        data = prepare_job_data(config, served, tokenizer_at, tokenizer,
                                 pool.client(ClientConfig(max_inflight_micro_batches=16)),
                                 output_dir)
         replicas = max(len(pool.status()["replicas"]), 1)

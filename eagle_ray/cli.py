@@ -119,12 +119,11 @@ def _regenerate(args: argparse.Namespace) -> int:
     given bare or as regenerate.<key>."""
     import dataclasses
 
-    from transformers import AutoTokenizer
-
     from eagle_ray.config import JobConfig, RegenerateConfig, load_yaml
     from eagle_ray.regenerate import regenerate_file
     from eagle_ray.target_runner import Sampling
-    from eagle_ray.train import init_ray, job_pool
+    from eagle_ray.tokenizer_files import load_tokenizer, tokenizer_path
+    from eagle_ray.train import check_paths, init_ray, job_pool
 
     sampling_keys = {f.name for f in dataclasses.fields(RegenerateConfig)}
     overrides = [f"regenerate.{o}" if o.partition("=")[0] in sampling_keys else o
@@ -132,11 +131,14 @@ def _regenerate(args: argparse.Namespace) -> int:
     job = load_yaml(JobConfig, args.config, overrides)
     _job_console(job, args.verbose)
     settings = job.regenerate
+    check_paths(job)
     init_ray(job, log_to_driver=args.verbose)
     # The pool's engines are sized for regeneration's prompts and answers too.
     regenerating = dataclasses.replace(job, regenerate=dataclasses.replace(settings, enabled=True))
     with job_pool(regenerating) as (pool, served):
-        tokenizer = AutoTokenizer.from_pretrained(job.target.model_path or served.model_path)
+        tokenizer = load_tokenizer(
+            tokenizer_path(job.target.model_path or served.model_path, job.target.vllm_kwargs),
+            "eagle-ray regenerate (it renders the prompts and reads the answers)")
         report = regenerate_file(
             pool.client(), tokenizer, args.input, args.output,
             Sampling(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
@@ -150,24 +152,29 @@ def _regenerate(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    """Acceptance of an exported draft (simulated and vLLM-measured) on the job's held-out
+    """Acceptance of an exported draft (vLLM at each k and temperature, with intervals, and the
+    greedy simulation) on `--prompts` (MT-Bench, GSM8K or chat JSONL) or the job's held-out
     conversations, on the target the draft was exported for (or `target.model_path`)."""
-    from transformers import AutoTokenizer
-
-    from eagle_ray.config import JobConfig, load_yaml
+    from eagle_ray.config import JobConfig, apply_overrides, from_dict, load_yaml
     from eagle_ray.draft.export import exported_target
-    from eagle_ray.evaluate import evaluate_draft
-    from eagle_ray.ingest import held_out as first_conversations
-    from eagle_ray.ingest import read_chats
+    from eagle_ray.evaluate import evaluate_draft, evaluation_prompts
+    from eagle_ray.ingest import held_out, read_chats
     from eagle_ray.report import format_summary
+    from eagle_ray.tokenizer_files import load_tokenizer, tokenizer_path
+    from eagle_ray.train import eval_engine_kwargs
 
-    job = load_yaml(JobConfig, args.config, args.overrides)
+    overrides = args.overrides + ([f"eval.prompts_file={args.prompts}"] if args.prompts else [])
+    job = load_yaml(JobConfig, args.config, overrides) if args.config \
+        else from_dict(JobConfig, apply_overrides({}, overrides))
     _job_console(job, args.verbose)
     model_path = job.target.model_path or exported_target(args.draft).model_path
-    held_out = first_conversations(read_chats(job.data.path, job.data.num_samples,
-                                              job.data.cpus_per_task), job.data.eval_samples)
-    report = evaluate_draft(model_path, args.draft, held_out,
-                            AutoTokenizer.from_pretrained(model_path), job.eval)
+    tokenizer = load_tokenizer(tokenizer_path(model_path, job.target.vllm_kwargs),
+                               "eagle-ray eval (it renders the prompts)")
+    data = job.data  # its held-out conversations, unless the prompts come from a file
+    conversations = [] if job.eval.prompts_file else held_out(
+        read_chats(data.path, data.num_samples, data.cpus_per_task), data.eval_samples)
+    report = evaluate_draft(model_path, args.draft, evaluation_prompts(job.eval, conversations),
+                            tokenizer, job.eval, eval_engine_kwargs(job))
     print(format_summary({"eval": report, "draft_dir": args.draft}))
     print(json.dumps(report))
     return 0
@@ -289,8 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
                             help="e.g. temperature=0.7 max_new_tokens=512 target.replicas=2")
 
     evaluate = command("eval", _eval, "acceptance length of an exported draft")
-    evaluate.add_argument("--config", required=True, help="the job config the draft came from")
+    evaluate.add_argument("--config", help="the job config the draft came from (or defaults)")
     evaluate.add_argument("--draft", required=True, help="exported draft folder")
+    evaluate.add_argument("--prompts", help="prompts JSONL: MT-Bench (turns), GSM8K (question) "
+                          "or chat (messages / conversations); default: held-out conversations")
     evaluate.add_argument("overrides", nargs="*", metavar="key=value",
                           help="config overrides, e.g. eval.prompts=16")
 

@@ -1,11 +1,13 @@
 """Acceptance length of a draft against its target, measured two independent ways.
 
-1. `simulate_acceptance`: the project's own greedy chain drafting. Per iteration the target gives
-   its next token, the draft proposes k more, the target's greedy continuation accepts a prefix;
-   acceptance length = tokens gained per target forward.
-2. `vllm_acceptance`: vLLM itself serving the exported draft as the target's `eagle3` speculative
-   model, read from vLLM's spec-decode counters (1 + accepted / drafts). Greedy output with
-   speculation is also compared with the target's greedy output without it.
+1. vLLM itself serving the exported draft as the target's `eagle3` speculative model, at each
+   `eval.num_speculative_tokens` k and `eval.temperatures` temperature, with intervals
+   (`eagle_ray.acceptance`); at temperature 0 its output must equal the target's greedy output
+   without speculation.
+2. `simulate_acceptance`: the project's own greedy chain drafting on the same turns. Per
+   iteration the target gives its next token, the draft proposes k more, the target's greedy
+   continuation accepts a prefix; acceptance length = tokens gained per target forward (vLLM's
+   definition, so the two agree at temperature 0).
 """
 
 from __future__ import annotations
@@ -17,27 +19,17 @@ from typing import Any
 
 import torch
 
-from eagle_ray.chat import prompt_for_turn, stop_token_ids
-from eagle_ray.config import EvalConfig
-from eagle_ray.console import native_output_to_log
+from eagle_ray.acceptance import answer_turn_by_turn, vllm_acceptance_table
+from eagle_ray.chat import stop_token_ids
+from eagle_ray.config import ConfigError, EvalConfig
 from eagle_ray.draft.export import load_exported_draft
 from eagle_ray.draft.model import Eagle3Draft, shift_left
+from eagle_ray.eval_prompts import EvalPrompt, EvalPrompts, read_eval_prompts
 from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.supervision import DraftVocab
 from eagle_ray.target_runner import Sampling
 
 logger = logging.getLogger(__name__)
-
-
-def prompt_ids(conversations: Sequence[list[dict[str, str]]], tokenizer) -> list[list[int]]:
-    """Each held-out conversation up to its last assistant turn, with the generation prompt:
-    what the target answers at serving time."""
-    prompts = []
-    for messages in conversations:
-        last_answer = max((i for i, m in enumerate(messages) if m["role"] == "assistant"),
-                          default=len(messages))
-        prompts.append(prompt_for_turn(tokenizer, messages, last_answer))
-    return prompts
 
 
 def greedy_generate(target: HFEagle3TargetModel, prompt: list[int], max_new_tokens: int,
@@ -49,15 +41,14 @@ def greedy_generate(target: HFEagle3TargetModel, prompt: list[int], max_new_toke
 
 @torch.inference_mode()
 def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,
-                        prompts: list[list[int]], k: int, max_new_tokens: int,
-                        stop_token_ids: tuple[int, ...] = ()) -> tuple[float, list[float]]:
+                        prompts: list[list[int]], continuations: list[list[int]], k: int
+                        ) -> tuple[float, list[float]]:
     """Mean acceptance length of greedy chain drafting of `k` tokens (tokens gained per target
-    forward), over each answer up to its end-of-turn token (as vLLM stops there), and per draft
-    position the share of drafts accepted up to it."""
+    forward), over each prompt's greedy continuation (up to its end-of-turn token, as vLLM stops
+    there), and per draft position the share of drafts accepted up to it."""
     head = target.get_target_head()
     drafts, accepted_total, per_position = 0, 0, [0] * k
-    for prompt in prompts:
-        continuation = greedy_generate(target, prompt, max_new_tokens, stop_token_ids)
+    for prompt, continuation in zip(prompts, continuations, strict=True):
         seq, produced = list(prompt), 0
         while produced < len(continuation):
             ids = torch.tensor([seq])
@@ -90,100 +81,100 @@ def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: 
             [count / max(drafts, 1) for count in per_position])
 
 
-def vllm_acceptance(model_path: str, draft_dir: str | Path, prompts: list[list[int]], k: int,
-                    max_new_tokens: int, reference: list[list[int]] | None = None,
-                    dtype: str = "float32", stop_token_ids: tuple[int, ...] = ()
-                    ) -> dict[str, Any]:
-    """Serve the exported draft with vLLM (`method="eagle3"`) and read its acceptance counters;
-    generation stops at `stop_token_ids` (the chat's end of turn)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.platforms import current_platform
-
-    from eagle_ray.vllm_runner import CPU_DEFAULTS, GPU_DEFAULTS, build_llm
-
-    defaults = CPU_DEFAULTS if current_platform.is_cpu() else GPU_DEFAULTS
-    with native_output_to_log():
-        # Sized for these prompts, not the checkpoint's max_position_embeddings (131,072 for a
-        # Llama-3.1 would not fit the CPU's KV budget): docs in eagle_ray.engine_sizing.
-        llm = build_llm({**defaults, "model": model_path, "dtype": dtype,
-                         "max_model_len": max(map(len, prompts)) + max_new_tokens + 1,
-                         "disable_log_stats": False,
-                         "speculative_config": speculative_config(draft_dir, k)},
-                        multiprocess=True)
-        try:
-            params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True,
-                                    stop_token_ids=list(stop_token_ids), detokenize=False)
-            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                   use_tqdm=False)
-            metrics = llm.get_metrics()
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-    counters = {m.name: m.value for m in metrics if hasattr(m, "value")}
-    vectors = {m.name: m.values for m in metrics if hasattr(m, "values")}
-    drafts = counters.get("vllm:spec_decode_num_drafts", 0)
-    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
-    per_position = vectors.get("vllm:spec_decode_num_accepted_tokens_per_pos", [0] * k)
-    result: dict[str, Any] = {
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else float("nan"),
-        "drafts": drafts, "accepted_tokens": accepted,
-        "acceptance_per_position": [a / drafts if drafts else float("nan")
-                                    for a in per_position],
-    }
-    if reference is not None:
-        generated = [list(o.outputs[0].token_ids) for o in outputs]
-        result["greedy_equal_fraction"] = sum(
-            g == r[:len(g)] for g, r in zip(generated, reference, strict=True)) / len(generated)
-    return result
+def check_eval_settings(eval_config: EvalConfig, ttt_steps: int | None,
+                        where: str = "train.ttt_steps") -> None:
+    """Refuse, before any engine starts, what an evaluation cannot measure."""
+    for k in eval_config.num_speculative_tokens:
+        if k < 1:
+            raise ConfigError(f"eval.num_speculative_tokens has {k}; each k drafts at least 1 "
+                              f"token")
+        if ttt_steps is not None and k > ttt_steps:
+            raise ConfigError(f"eval.num_speculative_tokens has {k}, more draft tokens than the "
+                              f"draft was trained to chain ({where}={ttt_steps}): raise "
+                              f"train.ttt_steps, or evaluate k <= {ttt_steps}")
+    if not eval_config.num_speculative_tokens or not eval_config.temperatures:
+        raise ConfigError("eval.num_speculative_tokens and eval.temperatures need a value each")
+    if any(t < 0 for t in eval_config.temperatures):
+        raise ConfigError(f"eval.temperatures {eval_config.temperatures}: a temperature is 0 "
+                          f"(greedy) or more")
+    if eval_config.prompts < 1:
+        raise ConfigError(f"eval.prompts={eval_config.prompts}: evaluate at least one prompt")
 
 
-def _figure(value: float | None) -> str:
-    return "not measured" if value is None else f"{value:.2f}"
+def evaluation_prompts(eval_config: EvalConfig,
+                       held_out: Sequence[list[dict[str, str]]] = ()) -> EvalPrompts:
+    """`eval.prompts_file`'s prompts, else the held-out conversations' (first `eval.prompts`)."""
+    if eval_config.prompts_file:
+        return read_eval_prompts(eval_config.prompts_file, eval_config.prompts)
+    prompts = [EvalPrompt.from_conversation(m) for m in held_out[:eval_config.prompts]]
+    if not prompts:
+        raise ConfigError("evaluation needs prompts: set eval.prompts_file, or hold some "
+                          "conversations out (data.eval_samples > 0)")
+    return EvalPrompts(prompts, {})
 
 
-def speculative_config(draft_dir: str | Path, k: int) -> dict[str, Any]:
-    """vLLM's `speculative_config` for serving `draft_dir` as the target's EAGLE-3 draft (the
-    evaluation and the printed `vllm serve` command use the same)."""
-    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+class GreedyAnswers:
+    """The target's greedy answer (HF, no speculation) to each prompt, computed once: the
+    simulation's continuation and the reference vLLM's greedy output must equal."""
+
+    def __init__(self, target: HFEagle3TargetModel, max_new_tokens: int,
+                 stop_token_ids: tuple[int, ...]) -> None:
+        self.target, self.max_new_tokens, self.stops = target, max_new_tokens, stop_token_ids
+        self._answers: dict[tuple[int, ...], list[int]] = {}
+
+    def __call__(self, owners: list[int], batch: list[list[int]]) -> list[list[int]]:
+        for ids in batch:
+            if tuple(ids) not in self._answers:
+                self._answers[tuple(ids)] = greedy_generate(self.target, ids,
+                                                            self.max_new_tokens, self.stops)
+        return [self._answers[tuple(ids)] for ids in batch]
 
 
-def evaluate_draft(model_path: str, draft_dir: str | Path,
-                   held_out: Sequence[list[dict[str, str]]], tokenizer, eval_config: EvalConfig,
+def evaluate_draft(model_path: str, draft_dir: str | Path, prompts: EvalPrompts, tokenizer,
+                   eval_config: EvalConfig, engine_kwargs: dict[str, Any] | None = None,
                    ) -> dict[str, Any]:
-    """Acceptance of the trained draft both ways (see module doc) and of an untrained one
-    simulated, on the target the draft was exported for (its aux layer ids), loaded from
-    `model_path`."""
-    from eagle_ray.draft.export import exported_target
+    """Acceptance of the exported draft: vLLM serving it at every k and temperature of
+    `eval_config` (`eagle_ray.acceptance`), and, side by side at temperature 0, the project's
+    own simulation of the trained and of an untrained draft on the same turns; on the target the
+    draft was exported for (its aux layer ids), loaded from `model_path`."""
+    from eagle_ray.draft.export import exported_target, exported_ttt_steps
 
+    check_eval_settings(eval_config, exported_ttt_steps(draft_dir),
+                        f"the draft's {Path(draft_dir) / 'config.json'} eagle_ray_ttt_steps")
     served = exported_target(draft_dir)
     target = HFEagle3TargetModel.from_pretrained(model_path, list(served.aux_layer_ids),
                                                  dtype=torch.float32)
-    prompts = prompt_ids(held_out[:eval_config.prompts], tokenizer)
-    if not prompts:
-        raise ValueError("evaluation needs held-out prompts (data.eval_samples > 0)")
     embedding = target.get_input_embeddings().weight.detach()
     trained, vocab = load_exported_draft(draft_dir, embedding)
     torch.manual_seed(1234)
     untrained = Eagle3Draft(trained.config, embedding)
-    k, n = eval_config.num_speculative_tokens, eval_config.max_new_tokens
+    n = eval_config.max_new_tokens
     stops = stop_token_ids(tokenizer)  # answers end at the chat's end-of-turn token
-    report: dict[str, Any] = {"num_speculative_tokens": k, "prompts": len(prompts)}
-    for name, draft in (("trained", trained), ("untrained", untrained)):
-        draft.eval()
-        mean, per_position = simulate_acceptance(target, draft, vocab, prompts, k, n, stops)
-        report[f"simulated_acceptance_{name}"] = mean
-        report[f"simulated_acceptance_per_position_{name}"] = per_position
+    greedy = GreedyAnswers(target, n, stops)
+    turns, failed = answer_turn_by_turn(prompts.prompts, tokenizer, greedy,
+                                        target.max_length - n)
+    turn_prompts = [ids for prompt_turns in turns for ids in prompt_turns]
+    report: dict[str, Any] = {
+        "prompts": len(prompts.prompts), "turns": len(turn_prompts),
+        "skipped_lines": prompts.skipped, "failed_prompts": len(failed),
+        "num_speculative_tokens": list(eval_config.num_speculative_tokens),
+        "temperatures": list(eval_config.temperatures), "simulated": []}
+    for k in eval_config.num_speculative_tokens:
+        row: dict[str, Any] = {"num_speculative_tokens": k, "temperature": 0.0}
+        for name, draft in (("trained", trained), ("untrained", untrained)):
+            draft.eval()
+            row[name], row[f"acceptance_per_position_{name}"] = simulate_acceptance(
+                target, draft, vocab, turn_prompts, [greedy([], [p])[0] for p in turn_prompts],
+                k)
+        report["simulated"].append(row)
     if eval_config.vllm:
-        reference = [greedy_generate(target, p, n, stops) for p in prompts]
-        # The trained draft only: the untrained baseline is the simulation's (it agrees with
-        # vLLM's counters exactly), and a second spec-decoding engine would double the time.
-        result = vllm_acceptance(model_path, draft_dir, prompts, k, n, reference,
-                                 stop_token_ids=stops)
-        report["vllm_acceptance_trained"] = result["mean_acceptance_length"]
-        report["vllm_acceptance_per_position_trained"] = result["acceptance_per_position"]
-        report["vllm_greedy_equal_fraction_trained"] = result["greedy_equal_fraction"]
-    logger.info("evaluation: acceptance length at k=%d, trained %.2f (vLLM %s), untrained %.2f",
-                k, report["simulated_acceptance_trained"],
-                _figure(report.get("vllm_acceptance_trained")),
-                report["simulated_acceptance_untrained"])
+        report["vllm"] = vllm_acceptance_table(
+            model_path, draft_dir, prompts.prompts, tokenizer,
+            eval_config.num_speculative_tokens, eval_config.temperatures, n, stops,
+            reference=greedy, bootstrap_samples=eval_config.bootstrap_samples,
+            seed=eval_config.seed, engine_kwargs=engine_kwargs)
+    logger.info("evaluation on %d prompts (%d turns): %s", len(prompts.prompts),
+                len(turn_prompts), "; ".join(
+                    f"k={r['num_speculative_tokens']} t={r['temperature']:g} "
+                    f"{r['mean_acceptance_length']:.2f}" for r in report.get("vllm", [])))
     return report

@@ -82,10 +82,11 @@ class TokenizeChats:
     """The `map_batches` stage: `eagle_ray.data.tokenize_row` for each conversation; every row
     comes out with its `status`, `key`, `input_ids`, `loss_mask` and `length`."""
 
-    def __init__(self, model_path: str, max_length: int, vocab_size: int, overlong: str) -> None:
+    def __init__(self, tokenizer_at: str, max_length: int, vocab_size: int, overlong: str
+                 ) -> None:
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_at)
         self.max_length, self.vocab_size, self.overlong = max_length, vocab_size, overlong
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -108,7 +109,7 @@ def row_messages(columns: dict[str, Any]) -> list[dict[str, str]]:
                                  "a dataset row")
 
 
-def tokenized(dataset, model_path: str, max_length: int, vocab_size: int, overlong: str,
+def tokenized(dataset, tokenizer_at: str, max_length: int, vocab_size: int, overlong: str,
               cpus_per_task: float, workers: int = 1):
     """`dataset` with the tokenisation stage added (lazy: nothing runs until it is read), on
     `workers` actors."""
@@ -116,7 +117,7 @@ def tokenized(dataset, model_path: str, max_length: int, vocab_size: int, overlo
         TokenizeChats, batch_size=TOKENIZE_BATCH_ROWS,
         compute=ray.data.ActorPoolStrategy(size=workers),
         num_cpus=cpus_per_task,
-        fn_constructor_kwargs={"model_path": model_path, "max_length": max_length,
+        fn_constructor_kwargs={"tokenizer_at": tokenizer_at, "max_length": max_length,
                                "vocab_size": vocab_size, "overlong": overlong})
 
 
@@ -202,7 +203,7 @@ class JobData:
     regenerated: dict[str, Any] | None  # the regeneration report, when answers were regenerated
 
 
-def prepare_job_data(config: JobConfig, served: TargetIdentity, model_path: str, tokenizer,
+def prepare_job_data(config: JobConfig, served: TargetIdentity, tokenizer_at: str, tokenizer,
                      client: PoolClient, output_dir: Path) -> JobData:
     """Read (and, with `regenerate.enabled`, regenerate) the job's data; split off the held-out
     conversations; build the tokenised training dataset and the draft vocabulary."""
@@ -223,7 +224,7 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, model_path: str,
         source = read_chats(str(path), 0, data.cpus_per_task)
         input_bytes = _input_bytes(str(path), source)
     max_length = min(data.max_length, served.max_length or data.max_length)
-    stage = (model_path, max_length, served.vocab_size, data.overlong)
+    stage = (tokenizer_at, max_length, served.vocab_size, data.overlong)
     budget = CACHE_SHARE * _object_store_bytes()  # bytes the kept rows may take
     if _fits_the_driver(input_bytes, data):
         rows, keep = tokenized_in_driver(source, TokenizeChats(*stage)), True

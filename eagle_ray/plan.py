@@ -79,11 +79,12 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float = 80.0,
     else:
         per_token = (NUM_AUX_LAYERS + 1) * hidden * target_dtype.itemsize
     flops = mfu * gpu_tflops * 1e12
-    target_params = _parameter_count(target_config)
+    target_params = _active_parameter_count(target_config)
     draft_trainable = sum(p.numel() for p in _meta_draft(draft_config).parameters()
                           if p.requires_grad)
-    # Prefill: 2 FLOPs per parameter per token. Training: 6 per trainable draft parameter per
-    # token per TTT step, plus the target head's decoding (2 x H x V).
+    # Prefill: 2 FLOPs per parameter a token passes through (a mixture of experts' active ones).
+    # Training: 6 per trainable draft parameter per token per TTT step, plus the target head's
+    # decoding (2 x H x V).
     replica_rate = flops * job.target.tp_size / (2 * target_params)
     trainer_rate = flops / (6 * draft_trainable * job.train.ttt_steps
                             + 2 * hidden * text.vocab_size)
@@ -169,12 +170,28 @@ def _meta_draft(config: DraftConfig) -> Eagle3Draft:
         return Eagle3Draft(config)
 
 
-def _parameter_count(target_config) -> int:
+def _meta_target(target_config):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(target_config)
-    return sum(p.numel() for p in model.parameters())
+        return AutoModelForCausalLM.from_config(target_config)
+
+
+def _parameter_count(target_config) -> int:
+    """Every parameter: what a replica holds."""
+    return sum(p.numel() for p in _meta_target(target_config).parameters())
+
+
+def _active_parameter_count(target_config) -> int:
+    """The parameters one token passes through: a mixture of experts' routed experts count
+    `num_experts_per_tok` of their number (shared experts and routers count in full)."""
+    text = target_config.get_text_config()
+    experts = next((getattr(text, name) for name in ("num_experts", "num_local_experts",
+                                                     "n_routed_experts")
+                    if getattr(text, name, None)), None)
+    share = text.num_experts_per_tok / experts if experts else 1.0
+    return int(sum(p.numel() * (share if ".experts." in name else 1.0)
+                   for name, p in _meta_target(target_config).named_parameters()))
 
 
 def _dtype(name: str, text_config) -> torch.dtype:

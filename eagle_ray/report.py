@@ -16,7 +16,7 @@ def serve_command(model_path: str, draft_dir: str | Path, num_speculative_tokens
                   tp_size: int = 1, dtype: str | None = None) -> str:
     """`vllm serve` with the draft as the target's EAGLE-3 speculative model (the config the
     evaluation served it with)."""
-    from eagle_ray.evaluate import speculative_config
+    from eagle_ray.acceptance import speculative_config
 
     spec = json.dumps(speculative_config(draft_dir, num_speculative_tokens))
     parts = ["vllm", "serve", shlex.quote(str(model_path))]
@@ -37,6 +37,65 @@ def _row(label: str, values: list[Any], width: int = 8) -> str:
     cells = "".join(f"{v:>{width}.2f}" if isinstance(v, float) else f"{v!s:>{width}}"
                     for v in values)
     return f"    {label:<28}{cells}"
+
+
+def _setting(row: dict[str, Any]) -> str:
+    return f"k={row['num_speculative_tokens']}, t={row['temperature']:g}"
+
+
+def _with_interval(row: dict[str, Any]) -> str:
+    low, high = row["interval_95"]
+    interval = "" if low != low else f" [{low:.2f}-{high:.2f}]"  # NaN: one prompt
+    return f"{row['mean_acceptance_length']:.2f}{interval}"
+
+
+def acceptance_lines(report: dict[str, Any]) -> list[str]:
+    """The acceptance table: one column per (k, temperature) vLLM measured (95 % interval over
+    prompts), the greedy simulation beside it, and acceptance per draft position at the
+    largest k."""
+    measured, simulated = report.get("vllm") or [], report.get("simulated") or []
+    columns = measured or simulated
+    width = 18
+    lines = [f"  acceptance  length (1 + accepted / verify steps) on {report['prompts']} prompts "
+             f"({report['turns']} turns){'; 95% interval over prompts' if measured else ''}",
+             _row("", [_setting(c) for c in columns], width)]
+    by_k = {r["num_speculative_tokens"]: r for r in simulated}
+    if measured:
+        lines.append(_row("vLLM, trained draft", [_with_interval(r) for r in measured], width))
+    for name in ("trained", "untrained"):
+        lines.append(_row(f"simulated greedy, {name}", [
+            by_k[c["num_speculative_tokens"]][name] if c["temperature"] == 0
+            and c["num_speculative_tokens"] in by_k else "-" for c in columns], width))
+    if measured:
+        lines.append(_row("greedy output unchanged", [
+            f"{r['greedy_equal_fraction']:.0%}" if "greedy_equal_fraction" in r else "-"
+            for r in measured], width))
+    problems = {"failed prompts": report.get("failed_prompts", 0)
+                + max((r.get("failed", 0) for r in measured), default=0),
+                "unreadable lines": sum((report.get("skipped_lines") or {}).values())}
+    if any(problems.values()):
+        lines.append("    " + ", ".join(f"{count} {what}" for what, count in problems.items()))
+    series = per_position_series(report)
+    if series:
+        k = max(len(values) for _, values in series)
+        lines.append(_row("accepted at position", [f"#{j + 1}" for j in range(k)]))
+        lines += [_row(f"  {label}", list(values)) for label, values in series]
+    return lines
+
+
+def per_position_series(report: dict[str, Any]) -> list[tuple[str, list[float]]]:
+    """Acceptance per draft position at the largest k: each temperature vLLM measured, and the
+    simulation of the trained and untrained drafts."""
+    rows = (report.get("vllm") or []) + (report.get("simulated") or [])
+    if not rows:
+        return []
+    k = max(r["num_speculative_tokens"] for r in rows)
+    series = [(f"vLLM, t={r['temperature']:g}", r["acceptance_per_position"])
+              for r in report.get("vllm") or [] if r["num_speculative_tokens"] == k]
+    series += [(f"simulated, {name}", r[f"acceptance_per_position_{name}"])
+               for r in report.get("simulated") or [] if r["num_speculative_tokens"] == k
+               for name in ("trained", "untrained")]
+    return series
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -62,21 +121,8 @@ def format_summary(summary: dict[str, Any]) -> str:
                   f"    supervision {final.get('supervision_tokens_per_s', 0):,.0f} tok/s; "
                   f"trainers waited on the pool {final.get('pool_wait_share', 0):.0%} and on "
                   f"the data {final.get('data_wait_share', 0):.0%} of step time"]
-    report = summary.get("eval")
-    if report:
-        k = report["num_speculative_tokens"]
-        lines += [f"  acceptance  length at k = {k} on {report['prompts']} held-out prompts "
-                  f"(1 + accepted / drafted)",
-                  _row("", ["simulated", "vLLM"], 10)]
-        for name in ("trained", "untrained"):
-            lines.append(_row(f"{name} draft", [report[f"simulated_acceptance_{name}"],
-                                                report.get(f"vllm_acceptance_{name}", "-")], 10))
-        lines.append(_row("accepted at position", [f"#{j + 1}" for j in range(k)]))
-        for source in ("simulated", "vllm"):
-            per_position = report.get(f"{source}_acceptance_per_position_trained")
-            if per_position:
-                lines.append(_row(f"  trained, {'vLLM' if source == 'vllm' else source}",
-                                  list(per_position)))
+    if summary.get("eval"):
+        lines += acceptance_lines(summary["eval"])
     lines.append(f"  draft       {summary['draft_dir']}")
     for label, key in (("report", "report"), ("log", "log_file")):
         if summary.get(key):
@@ -90,7 +136,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 def write_report_png(summary: dict[str, Any], metrics: list[dict[str, Any]],
                      path: str | Path) -> Path:
     """`report.png`: loss and accuracy per TTT step over training, acceptance per draft
-    position (trained vs untrained, both measurements), supervision tokens/s and wait shares."""
+    position at the largest k (vLLM per temperature, the simulation of the trained and the
+    untrained draft), supervision tokens/s and wait shares."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless
@@ -108,18 +155,14 @@ def write_report_png(summary: dict[str, Any], metrics: list[dict[str, Any]],
         ax.set_xlabel("training step")
         ax.legend(fontsize=8)
     ax = axes[1, 0]
-    report = summary.get("eval") or {}
-    if report:
-        k = report["num_speculative_tokens"]
+    series = per_position_series(summary.get("eval") or {})
+    if series:
+        k = max(len(values) for _, values in series)
         positions = list(range(1, k + 1))
-        series = [(f"{draft}, {source}", report.get(f"{key}_acceptance_per_position_{draft}"))
-                  for draft in ("trained", "untrained")
-                  for source, key in (("simulated", "simulated"), ("vLLM", "vllm"))]
-        series = [(label, values) for label, values in series if values]
-        bar = 0.8 / max(len(series), 1)
+        bar = 0.8 / len(series)
         for i, (label, values) in enumerate(series):
-            ax.bar([p + (i - (len(series) - 1) / 2) * bar for p in positions], values, bar,
-                   label=label)
+            ax.bar([p + (i - (len(series) - 1) / 2) * bar for p in positions[:len(values)]],
+                   values, bar, label=label)
         ax.set_xticks(positions)
         ax.set_ylim(0, 1.05)
         ax.legend(fontsize=8)

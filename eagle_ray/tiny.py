@@ -23,7 +23,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 KIT_VERSION = 2  # bump when anything below changes what gets built
-ARCHITECTURES = ("llama", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v2")
+# Mixture-of-experts shapes (4 experts, 2 per token), small enough for the CPU engine.
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v2")
 # Assistant turns sit inside {% generation %} so `return_assistant_tokens_mask` marks them.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -170,8 +172,18 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0, spec: TokenizerSpec =
 
 
 def tiny_target_config(arch: str, vocab_size: int, num_layers: int = 8):
-    """Config of the tiny target: hidden 128, 2 heads of dim 64, `num_layers` layers."""
-    from transformers import LlamaConfig, MistralConfig, Qwen3Config
+    """Config of the tiny target: hidden 128, 2 heads of dim 64, `num_layers` layers; the MoE
+    ones route each token to 2 of 4 experts (DeepSeek-V2: latent attention, a shared expert and
+    a dense first layer, as the real ones have)."""
+    from transformers import (
+        DeepseekV2Config,
+        GptOssConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
@@ -187,6 +199,21 @@ def tiny_target_config(arch: str, vocab_size: int, num_layers: int = 8):
         return Qwen3Config(**common)
     if arch == "mistral":
         return MistralConfig(**common, sliding_window=None)
+    experts = dict(num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, **experts, num_experts=4, moe_intermediate_size=128,
+                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    if arch == "mixtral":
+        return MixtralConfig(**common, **experts, num_local_experts=4, sliding_window=None)
+    if arch == "gpt_oss":
+        return GptOssConfig(**common, **experts, num_local_experts=4, sliding_window=64,
+                            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2))
+    if arch == "deepseek_v2":
+        return DeepseekV2Config(
+            **{**common, "num_key_value_heads": 2}, **experts, n_routed_experts=4,
+            n_shared_experts=1, moe_intermediate_size=128, first_k_dense_replace=1,
+            kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=64,
+            v_head_dim=64, topk_method="greedy", n_group=1, topk_group=1)
     raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES}")
 
 

@@ -26,6 +26,7 @@ from eagle_ray.identity import TargetIdentity
 from eagle_ray.report import serve_command, write_report_png
 from eagle_ray.run_record import check_resumable, check_resumed_target, run_record
 from eagle_ray.supervision_cache import SupervisionCache
+from eagle_ray.tokenizer_files import check_tokenizer, load_tokenizer, tokenizer_path
 from eagle_ray.train_loop import train_loop_per_worker
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,6 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
     """
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-    from transformers import AutoTokenizer
 
     from eagle_ray.console import ProgressBoard, TrainingBar
     from eagle_ray.ingest import prepare_job_data
@@ -68,7 +68,7 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
     check_paths(config)
     check_trainer_memory(config)
     check_loggers(config.train.loggers)
-    warn_about_settings(config)
+    check_eval(config)
     resumed = check_resumable(config)
     output_dir = Path(config.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -81,9 +81,10 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
         check_resumed_target(resumed, served)
         # A path the job names (its own mount of the same checkpoint) wins over the pool's.
         model_path = config.target.model_path or served.model_path
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer_at = tokenizer_path(model_path, config.target.vllm_kwargs)
+        tokenizer = load_tokenizer(tokenizer_at, "the job (it renders the chat data)")
         data = cached_job_data(config, cache) if cache else prepare_job_data(
-            config, served, model_path, tokenizer,
+            config, served, tokenizer_at, tokenizer,
             pool.client(ClientConfig(max_inflight_micro_batches=16)), output_dir)
         board = ProgressBoard.remote()
         trainer = TorchTrainer(
@@ -127,12 +128,13 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
         **({"regenerated": data.regenerated} if data.regenerated else {}),
     }
     if config.eval.enabled:
-        from eagle_ray.evaluate import evaluate_draft
+        from eagle_ray.evaluate import evaluate_draft, evaluation_prompts
 
-        summary["eval"] = evaluate_draft(model_path, output_dir / "draft", data.held_out,
-                                         tokenizer, config.eval)
+        summary["eval"] = evaluate_draft(
+            model_path, output_dir / "draft", evaluation_prompts(config.eval, data.held_out),
+            tokenizer, config.eval, eval_engine_kwargs(config))
     summary["serve_command"] = serve_command(
-        model_path, output_dir / "draft", config.eval.num_speculative_tokens,
+        model_path, output_dir / "draft", config.eval.num_speculative_tokens[0],
         config.target.tp_size, config.target.dtype)
     summary["report"] = str(write_report_png(summary, read_metrics(output_dir),
                                              output_dir / "report.png"))
@@ -198,14 +200,21 @@ def job_pool(config: JobConfig) -> Iterator[tuple[Any, TargetIdentity]]:
             owned.shutdown()
 
 
-def warn_about_settings(config: JobConfig) -> None:
-    """Settings that run but waste the run."""
-    if config.eval.enabled and config.eval.num_speculative_tokens > config.train.ttt_steps:
-        logger.warning(
-            "eval.num_speculative_tokens=%d drafts more tokens than training unrolled "
-            "(train.ttt_steps=%d): positions past %d were never trained and accept poorly; "
-            "raise train.ttt_steps or lower num_speculative_tokens",
-            config.eval.num_speculative_tokens, config.train.ttt_steps, config.train.ttt_steps)
+def check_eval(config: JobConfig) -> None:
+    """The evaluation's settings and prompts file, checked before anything starts."""
+    if config.eval.enabled:
+        from eagle_ray.evaluate import check_eval_settings, evaluation_prompts
+
+        check_eval_settings(config.eval, config.train.ttt_steps)
+        if config.eval.prompts_file:
+            evaluation_prompts(config.eval)
+
+
+def eval_engine_kwargs(config: JobConfig) -> dict[str, Any]:
+    """What the evaluation's vLLM engine takes from `target.vllm_kwargs`: a tokenizer kept
+    elsewhere (it is sized for its prompts itself)."""
+    kwargs = config.target.vllm_kwargs
+    return {"tokenizer": kwargs["tokenizer"]} if "tokenizer" in kwargs else {}
 
 
 def check_paths(config: JobConfig) -> None:
@@ -215,12 +224,31 @@ def check_paths(config: JobConfig) -> None:
         raise ConfigError(f"target.model_path {model_path!r} is not a model folder (no "
                           f"config.json); pass a local HF checkpoint, or null for the tiny "
                           f"built-in target")
+    if model_path is not None:
+        check_tokenizer(tokenizer_path(model_path, config.target.vllm_kwargs),
+                        "the job (it renders the chat data)")
+        check_aux_layer_ids(config)
     paths = [config.data.path] if isinstance(config.data.path, str) else config.data.path or []
     missing = [p for p in paths if not Path(p).exists()]
     if missing:
         raise ConfigError(f"data.path {missing} does not exist; pass chat JSONL or Parquet files "
                           f"or folders (messages or ShareGPT conversations), or null for "
                           f"generated data")
+
+
+def check_aux_layer_ids(config: JobConfig) -> None:
+    """`target.aux_layer_ids` against the checkpoint's layers, before any engine starts."""
+    if config.target.aux_layer_ids is None:
+        return
+    from transformers import AutoConfig
+
+    from eagle_ray.aux_layers import resolve_eagle3_aux_layer_ids
+
+    layers = AutoConfig.from_pretrained(config.target.model_path).get_text_config()
+    try:
+        resolve_eagle3_aux_layer_ids(config.target.aux_layer_ids, layers.num_hidden_layers)
+    except ValueError as e:
+        raise ConfigError(f"target.aux_layer_ids {config.target.aux_layer_ids}: {e}") from None
 
 
 def init_ray(config: JobConfig, log_to_driver: bool = True) -> None:

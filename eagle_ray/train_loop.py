@@ -174,7 +174,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if trackers is not None:
         trackers.close()
     if rank == 0:
-        export_draft(draft, vocab, served, Path(loop_config["output_dir"]) / "draft")
+        export_draft(draft, vocab, served, Path(loop_config["output_dir"]) / "draft",
+                     train.ttt_steps)
 
 
 def shard_micro_batches(shard, job: JobConfig, pad_id: int, rank: int

@@ -17,9 +17,14 @@ from stock_templates import LLAMA_3_1_TOKENIZER, MISTRAL_V3_TOKENIZER, QWEN_3_TO
 FAMILY_TOKENIZERS = {"llama3.1": LLAMA_3_1_TOKENIZER, "qwen3": QWEN_3_TOKENIZER,
                      "mistral": MISTRAL_V3_TOKENIZER, "kit": KIT_TOKENIZER}
 # (architecture, tokenizer, padded vocabulary or None): checkpoints shaped like the targets people
-# train drafts for; Qwen3's vocabulary is padded past its tokenizer, as Qwen3-8B's is.
+# train drafts for; Qwen3's vocabulary is padded past its tokenizer, as Qwen3-8B's is. The
+# mixture-of-experts ones (eagle_ray.tiny.MOE_ARCHITECTURES) too.
 FAMILY_CHECKPOINTS = {"qwen3": ("qwen3", "qwen3", 1088),
-                      "mistral": ("mistral", "mistral", None)}
+                      "mistral": ("mistral", "mistral", None),
+                      "qwen3_moe": ("qwen3_moe", "qwen3", 1088),
+                      "mixtral": ("mixtral", "mistral", None),
+                      "gpt_oss": ("gpt_oss", "kit", None),
+                      "deepseek_v2": ("deepseek_v2", "kit", None)}
 
 
 @pytest.fixture(scope="session")

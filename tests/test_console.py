@@ -63,11 +63,18 @@ SUMMARY = {
     "final_metrics": {"step": 150, "loss_0": 0.21, "loss_1": 0.19, "acc_0": 0.95, "acc_1": 0.93,
                       "supervision_tokens_per_s": 3281.0, "pool_wait_share": 0.09,
                       "data_wait_share": 0.01},
-    "eval": {"num_speculative_tokens": 2, "prompts": 8,
-             "simulated_acceptance_trained": 2.94, "vllm_acceptance_trained": 2.91,
-             "simulated_acceptance_untrained": 1.0,
-             "simulated_acceptance_per_position_trained": [0.97, 0.88],
-             "vllm_acceptance_per_position_trained": [0.96, 0.87]},
+    "eval": {"prompts": 8, "turns": 11, "failed_prompts": 0, "skipped_lines": {"not JSON": 1},
+             "simulated": [{"num_speculative_tokens": 2, "temperature": 0.0, "trained": 2.94,
+                            "untrained": 1.0,
+                            "acceptance_per_position_trained": [0.97, 0.88],
+                            "acceptance_per_position_untrained": [0.0, 0.0]}],
+             "vllm": [{"num_speculative_tokens": 2, "temperature": 0.0,
+                       "mean_acceptance_length": 2.91, "interval_95": [2.8, 3.0],
+                       "acceptance_per_position": [0.96, 0.87], "greedy_equal_fraction": 1.0,
+                       "failed": 0},
+                      {"num_speculative_tokens": 2, "temperature": 1.0,
+                       "mean_acceptance_length": 2.5, "interval_95": [2.25, 2.75],
+                       "acceptance_per_position": [0.8, 0.7], "failed": 0}]},
     "draft_dir": "/runs/x/draft",
 }
 
@@ -81,9 +88,17 @@ def test_the_summary_table_carries_the_summarys_figures():
     assert any(line.split() == ["loss", "0.21", "0.19"] for line in lines)
     assert any(line.split() == ["accuracy", "0.95", "0.93"] for line in lines)
     assert "3,281 tok/s" in table and "pool 9%" in table and "data 1%" in table
-    assert any(line.split() == ["trained", "draft", "2.94", "2.91"] for line in lines)
-    assert any(line.split() == ["untrained", "draft", "1.00", "-"] for line in lines)
-    assert any(line.split() == ["trained,", "vLLM", "0.96", "0.87"] for line in lines)
+    assert "on 8 prompts (11 turns); 95% interval over prompts" in table
+    assert any(line.split() == ["k=2,", "t=0", "k=2,", "t=1"] for line in lines)
+    assert any(line.split() == ["vLLM,", "trained", "draft", "2.91", "[2.80-3.00]", "2.50",
+                                "[2.25-2.75]"] for line in lines)
+    assert any(line.split() == ["simulated", "greedy,", "trained", "2.94", "-"] for line in lines)
+    assert any(line.split() == ["simulated", "greedy,", "untrained", "1.00", "-"]
+               for line in lines)
+    assert any(line.split() == ["greedy", "output", "unchanged", "100%", "-"] for line in lines)
+    assert "0 failed prompts, 1 unreadable lines" in table
+    assert any(line.split() == ["vLLM,", "t=0", "0.96", "0.87"] for line in lines)
+    assert any(line.split() == ["vLLM,", "t=1", "0.80", "0.70"] for line in lines)
     assert lines[-1].strip() == command
     assert command == ("vllm serve '/models/My 8B' --tensor-parallel-size 2 --dtype bfloat16 "
                        "--speculative-config '{\"method\": \"eagle3\", \"model\": "

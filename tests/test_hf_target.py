@@ -3,6 +3,7 @@ import torch
 
 from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.testing import random_micro_batch
+from eagle_ray.tiny import MOE_ARCHITECTURES
 
 
 @pytest.mark.parametrize("backend_name", ["hf_llama", "hf_qwen3"])
@@ -58,3 +59,23 @@ def test_explicit_aux_ids_are_honoured(llama_path):
 
 def test_embedding_is_the_targets_own(hf_llama):
     assert hf_llama.get_input_embeddings() is hf_llama.model.get_input_embeddings()
+
+
+@pytest.mark.parametrize("family", MOE_ARCHITECTURES)
+def test_moe_targets_capture_hf_hidden_states_and_ignore_padding(family, family_checkpoints):
+    """The HF backend on each mixture-of-experts shape (the only backend DeepSeek-V2's latent
+    attention has on the CPU build): aux states are the model's own hidden states, and a row
+    padded into a batch gets what it gets alone (routing is per token)."""
+    target = HFEagle3TargetModel.from_pretrained(family_checkpoints[family], dtype=torch.float32)
+    lengths = (13, 5)
+    input_ids, attention_mask, loss_mask = random_micro_batch(target.vocab_size, lengths)
+    batch = target.generate_batch(input_ids, attention_mask, loss_mask)
+    hidden = target.model.config.hidden_size
+    for row, n in enumerate(lengths):
+        with torch.inference_mode():
+            states = target.model(input_ids[row:row + 1, :n], output_hidden_states=True
+                                  ).hidden_states
+        expected = torch.cat([states[i + 1] for i in target.aux_layer_ids], dim=-1)[0]
+        torch.testing.assert_close(batch.aux_hidden_states[row, :n], expected, rtol=1e-5,
+                                   atol=1e-5, msg=f"row {row}")
+        assert batch.aux_hidden_states.shape[-1] == 3 * hidden

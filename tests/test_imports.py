@@ -13,7 +13,7 @@ import eagle_ray
 PACKAGE_DIR = Path(eagle_ray.__file__).parent
 MAX_MODULE_LINES = 350
 # The vLLM KV-connector plug-in: only vLLM loads it, and it subclasses a vLLM class.
-VLLM_PLUGIN = "eagle_ray.vllm_connector"
+VLLM_PLUGINS = {"eagle_ray.vllm_connector", "eagle_ray.vllm_mixtral"}  # only vLLM loads them
 # The contract and the HF backend: usable in any process, with neither Ray nor vLLM.
 RAY_FREE = ["eagle_ray.target_batch", "eagle_ray.aux_layers", "eagle_ray.shift",
             "eagle_ray.supervision", "eagle_ray.target_head", "eagle_ray.target_runner",
@@ -87,8 +87,8 @@ def run_python(code: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def test_every_module_but_the_vllm_plugin_imports_without_vllm():
-    modules = sorted(set(all_modules()) - {VLLM_PLUGIN})
+def test_every_module_but_the_vllm_plugins_imports_without_vllm():
+    modules = sorted(set(all_modules()) - VLLM_PLUGINS)
     assert len(modules) > 20, modules
     code = BLOCK_VLLM + "".join(f"import {m}\n" for m in modules) + "print('ok')"
     result = run_python(code)
@@ -96,10 +96,10 @@ def test_every_module_but_the_vllm_plugin_imports_without_vllm():
     assert result.stdout.strip() == "ok"
 
 
-def test_nothing_in_the_package_imports_the_vllm_plugin():
+def test_nothing_in_the_package_imports_the_vllm_plugins():
     modules = all_modules()
     importers = [name for name, path in modules.items()
-                 if VLLM_PLUGIN in imported_modules(path, set(modules))]
+                 if VLLM_PLUGINS & imported_modules(path, set(modules))]
     assert importers == []
 
 

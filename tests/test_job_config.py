@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("name", ["tiny.yaml", "llama3.1-8b.yaml", "llama3.1-8b-colocated.yaml",
-                                  "qwen3-8b.yaml"])
+                                  "qwen3-8b.yaml", "qwen3-30b-a3b.yaml"])
 def test_example_configs_load(name):
     config = load_yaml(JobConfig, ROOT / "examples" / name)
     assert config.train.workers >= 1
@@ -39,6 +39,21 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
     config = from_dict(JobConfig, {"data": {"path": str(tmp_path / "missing.jsonl")}})
     with pytest.raises(ConfigError, match="data.path .* does not exist"):
         check_paths(config)
+
+
+def test_a_job_on_a_weights_only_checkpoint_names_the_missing_tokenizer(tmp_path, llama_path):
+    """Serving needs no tokenizer, the job's chat rendering does: refused before anything
+    starts, naming the files and the key; a tokenizer kept elsewhere passes."""
+    weights_only = tmp_path / "weights-only"
+    weights_only.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (weights_only / name).write_bytes((llama_path / name).read_bytes())
+    config = from_dict(JobConfig, {"target": {"model_path": str(weights_only)}})
+    with pytest.raises(ConfigError, match=r"no tokenizer files \(none of tokenizer.json.*"
+                                          r"target.vllm_kwargs.tokenizer"):
+        check_paths(config)
+    check_paths(from_dict(JobConfig, {"target": {"model_path": str(weights_only),
+                                                 "vllm_kwargs": {"tokenizer": str(llama_path)}}}))
 
 
 def test_overrides_apply_dotted_paths_with_yaml_values():
@@ -112,3 +127,13 @@ def test_a_resume_may_change_how_a_run_runs_but_not_what_its_draft_learns():
     # A key a later version added (absent from an older record) is no change.
     del record["draft_settings"]["train.seed"]
     assert settings_changed(record, learning)[-1] == "target.encoding_dtype: 'auto' -> 'fp8'"
+
+
+def test_capture_ids_outside_a_moe_targets_layers_are_refused_before_anything_starts(
+        family_checkpoints):
+    path = str(family_checkpoints["qwen3_moe"])  # 8 layers
+    with pytest.raises(ConfigError, match=r"target.aux_layer_ids \[1, 3, 9\]: .*8"):
+        check_paths(from_dict(JobConfig, {"target": {"model_path": path,
+                                                     "aux_layer_ids": [1, 3, 9]}}))
+    check_paths(from_dict(JobConfig, {"target": {"model_path": path,
+                                                 "aux_layer_ids": [1, 3, 5]}}))  # control

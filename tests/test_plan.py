@@ -15,7 +15,7 @@ from eagle_ray.target_head import TargetHead
 from eagle_ray.testing import random_micro_batch
 
 RECIPES = {"llama3.1-8b": "llama-3.1-8b-instruct", "qwen3-8b": "qwen3-8b",
-           "llama3.1-8b-colocated": "llama-3.1-8b-instruct"}
+           "llama3.1-8b-colocated": "llama-3.1-8b-instruct", "qwen3-30b-a3b": "qwen3-30b-a3b"}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -56,7 +56,21 @@ def test_every_shipped_gpu_recipe_fits_a_trainer_worker_in_64_gib(recipe):
     check_trainer_fits(plan)
     assert plan.replica["total"] <= 0.85 * 80 * GIB
     assert plan.kv_cache_tokens >= job.target.vllm_kwargs["max_model_len"]
-    assert plan.supervision_bytes_per_token == 4 * 4096 * 2  # 3H + H in bf16
+    hidden = AutoConfig.from_pretrained(f"examples/targets/{RECIPES[recipe]}").hidden_size
+    assert plan.supervision_bytes_per_token == 4 * hidden * 2  # 3H + H in bf16
+
+
+def test_a_mixture_of_experts_target_costs_its_active_parameters_per_token():
+    """Qwen3-30B-A3B holds 30.5B parameters (all on its replicas) and runs 3.3B per token (its
+    published figures), so one replica feeds more trainers than a dense 8B."""
+    job = load_yaml(JobConfig, "examples/qwen3-30b-a3b.yaml", [])
+    moe = plan_job(job, AutoConfig.from_pretrained("examples/targets/qwen3-30b-a3b"))
+    assert moe.replica["weights"] == pytest.approx(30.5e9 * 2 / job.target.tp_size, rel=0.01)
+    dense = plan_job(load_yaml(JobConfig, "examples/qwen3-8b.yaml", []),
+                     AutoConfig.from_pretrained("examples/targets/qwen3-8b"))
+    # Per GPU: 2 x 3.35B FLOPs per token on two GPUs vs 2 x 8.19B on one.
+    ratio = (moe.replica_tokens_per_s / job.target.tp_size) / dense.replica_tokens_per_s
+    assert ratio == pytest.approx(8.19 / 3.35, rel=0.02)
 
 
 def test_a_recipe_that_cannot_fit_is_refused_naming_the_keys(capsys):

@@ -50,7 +50,10 @@ CASES = {  # failure class: (checkpoint, vllm_kwargs, the engine's words, the ke
     "engine_owned_kwarg": ("long", {"skip_tokenizer_init": True}, "may not set",
                            "target.vllm_kwargs"),
     "no_weights": ("no_weights", {}, "safetensors", "target.model_path"),
-    "no_tokenizer": ("no_tokenizer", {"max_model_len": 256}, "tokenizer", "tokenizer"),
+    # A weights-only folder serves (no tokenizer needed); a tokenizer named but missing fails.
+    "missing_tokenizer": ("no_tokenizer", {"max_model_len": 256,
+                                           "tokenizer": "/nonexistent/tokenizer"},
+                          "tokenizer", "tokenizer"),
 }
 
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from eagle_ray.chat import stop_token_ids
+from eagle_ray.chat import prompt_for_turn, stop_token_ids
 from eagle_ray.data import make_micro_batches, tokenize_chats
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
-from eagle_ray.evaluate import prompt_ids, simulate_acceptance
+from eagle_ray.evaluate import greedy_generate, simulate_acceptance
 from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.supervision import DraftVocab, draft_target
 from eagle_ray.tiny import generate_chat_samples, tiny_target
@@ -35,7 +35,7 @@ def test_the_cpu_prefetcher_hands_over_host_and_device_batches(hf_llama):
         assert torch.equal(host.aux_hidden_states, device.aux_hidden_states)
 
 
-def _train_and_measure(target, vocab, micro_batches, prompts, stops, precision):
+def _train_and_measure(target, vocab, micro_batches, prompts, continuations, precision):
     config = DraftConfig.from_target(target.model.config, vocab.size)
     torch.manual_seed(0)
     draft = Eagle3Draft(config, target.get_input_embeddings().weight.detach())
@@ -51,8 +51,7 @@ def _train_and_measure(target, vocab, micro_batches, prompts, stops, precision):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
-    acceptance, _ = simulate_acceptance(target, draft.eval(), vocab, prompts, k=3,
-                                        max_new_tokens=24, stop_token_ids=stops)
+    acceptance, _ = simulate_acceptance(target, draft.eval(), vocab, prompts, continuations, k=3)
     return acceptance
 
 
@@ -69,10 +68,12 @@ def test_bf16_training_reaches_the_acceptance_of_fp32_on_the_tiny_kit():
     vocab = DraftVocab.from_token_counts(counts, 256)
     supervision = [target.generate_batch(*mb) for mb in
                    make_micro_batches(rows, 8) * 5]  # 5 epochs of 11 micro-batches
-    prompts = prompt_ids([messages for _, messages in samples[:8]], tokenizer)
+    prompts = [prompt_for_turn(tokenizer, messages, len(messages) - 1)  # up to the answer
+               for _, messages in samples[:8]]
     stops = tuple(stop_token_ids(tokenizer))
-    untrained = _train_and_measure(target, vocab, [], prompts, stops, "fp32")
-    fp32 = _train_and_measure(target, vocab, supervision, prompts, stops, "fp32")
-    bf16 = _train_and_measure(target, vocab, supervision, prompts, stops, "bf16")
+    continuations = [greedy_generate(target, p, 24, stops) for p in prompts]
+    untrained = _train_and_measure(target, vocab, [], prompts, continuations, "fp32")
+    fp32 = _train_and_measure(target, vocab, supervision, prompts, continuations, "fp32")
+    bf16 = _train_and_measure(target, vocab, supervision, prompts, continuations, "bf16")
     assert fp32 > untrained + 0.3, (untrained, fp32)  # training matters at this size
     assert abs(bf16 - fp32) <= 0.1, (fp32, bf16)

@@ -1,8 +1,9 @@
 """From a checkpoint folder and a chat file to a draft vLLM serves, for checkpoints shaped like the
-targets people train drafts for: Qwen3 (padded vocabulary, thinking blocks) and Mistral-Instruct,
-each with its stock chat template (the Llama architecture goes this way in test_train, the
-Llama-3.1 template is rendered and masked in test_chat_templates). Also: a job joining a shared
-pool must train for what it serves (a job adopting the pool's settings: test_job_submit).
+targets people train drafts for: Qwen3 (padded vocabulary, thinking blocks), Mistral-Instruct and
+the mixture-of-experts Qwen3-MoE and Mixtral, each with its stock chat template (the Llama
+architecture goes this way in test_train, the Llama-3.1 template is rendered and masked in
+test_chat_templates). Also: a job joining a shared pool must train for what it serves (a job
+adopting the pool's settings: test_job_submit).
 """
 
 import json
@@ -13,10 +14,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from eagle_ray.chat import read_conversations
+from eagle_ray.acceptance import vllm_acceptance_table
+from eagle_ray.chat import read_conversations, stop_token_ids
 from eagle_ray.config import ConfigError, JobConfig, PoolConfig, load_yaml
 from eagle_ray.draft.export import exported_target
-from eagle_ray.evaluate import greedy_generate, prompt_ids, vllm_acceptance
+from eagle_ray.eval_prompts import EvalPrompt
+from eagle_ray.evaluate import GreedyAnswers
 from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.identity import checkpoint_fingerprint
 from eagle_ray.pool import TargetPool
@@ -67,16 +70,18 @@ def job(tmp_path, *overrides: str) -> JobConfig:
 
 
 # The pool's backend per family: vLLM where no other test runs that architecture through the
-# vLLM backend (the padded Qwen3 is checked against HF in test_vllm_target); the HF backend
-# elsewhere saves an engine start. vLLM serves every family's export below.
-@pytest.mark.parametrize(("family", "backend"), [("qwen3", "hf"), ("mistral", "vllm")])
+# vLLM backend inside a job (the padded Qwen3 is checked against HF in test_vllm_target, the MoE
+# ones in test_moe_targets); the HF backend elsewhere saves an engine start. vLLM serves every
+# family's export below (Mixtral through eagle_ray's vLLM plugin, eagle_ray/vllm_models.py).
+@pytest.mark.parametrize(("family", "backend"), [("qwen3", "hf"), ("mistral", "vllm"),
+                                                 ("qwen3_moe", "vllm"), ("mixtral", "hf")])
 def test_train_export_and_serve_with_the_stock_template(local_ray, family_checkpoints, family,
                                                         backend, tmp_path):
     model_path = family_checkpoints[family]
-    data = write_chats(tmp_path / "chats.jsonl", thinking=family == "qwen3")
+    data = write_chats(tmp_path / "chats.jsonl", thinking=family.startswith("qwen3"))
     summary = run_job(job(tmp_path, f"target.model_path={model_path}", f"data.path={data}",
                           f"target.backend={backend}",
-                          f"target.name=real-{family.replace('.', '')}", f"run_name={family}"))
+                          f"target.name=real-{family.replace('_', '-')}", f"run_name={family}"))
 
     # Every conversation rendered with the stock template and kept (48 minus 4 held out).
     assert summary["data"]["kept"] == 44 and summary["data"]["dropped_no_answer"] == 0
@@ -90,13 +95,14 @@ def test_train_export_and_serve_with_the_stock_template(local_ray, family_checkp
 
     # vLLM serves the export as the target's EAGLE-3 draft, and speculation keeps greedy output.
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    held_out = [messages for _, messages in read_conversations(data)][-2:]
-    prompts = prompt_ids(held_out, tokenizer)
+    held_out = [EvalPrompt.from_conversation(messages)
+                for _, messages in read_conversations(data)][-2:]
+    stops = stop_token_ids(tokenizer)
     hf = HFEagle3TargetModel.from_pretrained(model_path, dtype=torch.float32)
-    reference = [greedy_generate(hf, p, 8) for p in prompts]
-    result = vllm_acceptance(str(model_path), draft_dir, prompts, k=3, max_new_tokens=8,
-                             reference=reference)
-    assert result["drafts"] > 0 and result["greedy_equal_fraction"] == 1.0
+    [row] = vllm_acceptance_table(str(model_path), draft_dir, held_out, tokenizer, [3], [0.0],
+                                  8, stops, reference=GreedyAnswers(hf, 8, stops))
+    assert row["verify_steps"] > 0 and row["failed"] == 0
+    assert row["greedy_equal_fraction"] == 1.0
 
 
 @pytest.fixture(scope="module")

@@ -90,15 +90,26 @@ def test_training_answers_are_the_targets_own(trained):
 def test_trained_draft_beats_an_untrained_one_in_simulation_and_in_vllm(trained):
     _, summary, _ = trained
     report = summary["eval"]
-    untrained = report["simulated_acceptance_untrained"]
-    assert untrained < report["simulated_acceptance_trained"]
-    # vLLM serving the exported draft as eagle3: clearly above the untrained draft ...
-    assert report["vllm_acceptance_trained"] > untrained + 0.05
-    # ... in agreement with the project's own simulation ...
-    assert abs(report["vllm_acceptance_trained"] - report["simulated_acceptance_trained"]) < 0.05
-    # ... and speculation never changes greedy output.
-    assert report["vllm_greedy_equal_fraction_trained"] == 1.0
-    assert "vllm_acceptance_untrained" not in report, "one spec-decoding engine per evaluation"
+    assert report["prompts"] == 6 and report["failed_prompts"] == 0
+    simulated = {r["num_speculative_tokens"]: r for r in report["simulated"]}
+    measured = {(r["num_speculative_tokens"], r["temperature"]): r for r in report["vllm"]}
+    assert sorted(simulated) == [3, 7] and sorted(measured) == [(3, 0.0), (3, 1.0), (7, 0.0),
+                                                                (7, 1.0)]
+    for k, sim in simulated.items():
+        assert sim["untrained"] < sim["trained"], k
+        greedy = measured[k, 0.0]
+        # vLLM serving the exported draft as eagle3: clearly above the untrained draft ...
+        assert greedy["mean_acceptance_length"] > sim["untrained"] + 0.05, k
+        # ... in agreement with the project's own simulation on the same turns ...
+        assert abs(greedy["mean_acceptance_length"] - sim["trained"]) < 0.05, k
+        # ... and speculation never changes greedy output.
+        assert greedy["greedy_equal_fraction"] == 1.0, k
+        assert len(greedy["acceptance_per_position"]) == k
+    for row in measured.values():  # sampled too, each with its interval over the prompts
+        low, high = row["interval_95"]
+        assert row["prompts"] == 6 and row["failed"] == 0 and row["verify_steps"] > 0
+        assert low <= row["mean_acceptance_length"] <= high
+    assert measured[7, 1.0]["mean_acceptance_length"] > 1.0, "sampled drafts accepted too"
 
 
 def test_export_is_a_servable_draft_folder(trained):
@@ -179,8 +190,9 @@ def test_mlflow_run_in_the_local_folder_has_the_metrics(trained):
 
 def test_the_printed_serve_command_serves_what_the_evaluation_served(trained):
     """The command's target, dtype and speculative config are those vLLM served the draft with
-    in the evaluation (`vllm_acceptance`), where vLLM loaded and ran it as an EAGLE-3 draft."""
-    from eagle_ray.evaluate import speculative_config
+    in the evaluation (`eagle_ray.acceptance`), where vLLM loaded and ran it as an EAGLE-3
+    draft."""
+    from eagle_ray.acceptance import speculative_config
 
     _, summary, _ = trained
     words = shlex.split(summary["serve_command"])
@@ -189,7 +201,7 @@ def test_the_printed_serve_command_serves_what_the_evaluation_served(trained):
     assert options["--dtype"] == "float32"  # the evaluation's engine dtype
     spec = json.loads(options["--speculative-config"])
     assert spec == speculative_config(summary["draft_dir"], 3) and spec["method"] == "eagle3"
-    assert summary["eval"]["vllm_acceptance_trained"] > 1.0  # vLLM drafted with it
+    assert summary["eval"]["vllm"][0]["mean_acceptance_length"] > 1.0  # vLLM drafted with it
 
 
 def test_a_supervision_cache_trains_without_a_pool_and_refuses_another_target(

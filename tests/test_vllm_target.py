@@ -19,11 +19,9 @@ from eagle_ray.testing import random_micro_batch
 from eagle_ray.vllm_handoff import SHM_DIR, InProcessHandoff, ShmRingHandoff, ring_name
 from eagle_ray.vllm_target import VLLMEagle3TargetModel
 
+from reference_checks import assert_matches_reference
+
 pytestmark = pytest.mark.slow
-
-# fp32 on CPU: measured max abs difference ~1e-5 against HF (different kernels, same math).
-FP32_ATOL = 5e-5
-
 
 @pytest.fixture(scope="module")
 def vllm_llama(llama_path):
@@ -43,20 +41,6 @@ def padded_qwen3(family_checkpoints):
         vllm_kwargs={"max_num_batched_tokens": 64, "max_num_seqs": 8})
     yield target, HFEagle3TargetModel.from_pretrained(path, dtype=torch.float32)
     target.shutdown()
-
-
-def assert_matches_reference(batch, reference, head, atol=FP32_ATOL):
-    assert batch.aux_hidden_states.dtype == reference.aux_hidden_states.dtype
-    for name in ("input_ids", "attention_mask", "loss_mask"):
-        assert torch.equal(batch.tensors()[name], reference.tensors()[name]), name
-    torch.testing.assert_close(batch.aux_hidden_states, reference.aux_hidden_states,
-                               rtol=0, atol=atol)
-    torch.testing.assert_close(batch.last_hidden, reference.last_hidden, rtol=0, atol=atol)
-    logits, reference_logits = head(batch.last_hidden), head(reference.last_hidden)
-    torch.testing.assert_close(logits, reference_logits, rtol=0, atol=atol)
-    has_next = reference.attention_mask.bool().roll(-1, 1)
-    has_next[:, -1] = False
-    assert torch.equal(logits.argmax(-1)[has_next], reference_logits.argmax(-1)[has_next])
 
 
 @pytest.mark.parametrize("lengths", [(17, 9, 30, 4), (1, 64), (33,)])

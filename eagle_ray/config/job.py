@@ -86,11 +86,21 @@ class RegenerateConfig:
 
 @dataclasses.dataclass
 class EvalConfig:
+    """Acceptance length of the exported draft, as published drafts are compared (vLLM serving
+    it, chain drafting k tokens, greedy and sampled; `eagle_ray.evaluate`)."""
+
     enabled: bool = True
-    prompts: int = 8  # held-out prompts
-    max_new_tokens: int = 32
-    num_speculative_tokens: int = 3
-    vllm: bool = True  # also measure acceptance with vLLM serving the exported draft
+    prompts: int = 8  # prompts evaluated: the first of prompts_file, or held-out conversations
+    # JSONL of MT-Bench (`turns`, answered turn by turn), GSM8K (`question`) or chat
+    # (`messages` / `conversations`) lines; None: the job's held-out conversations.
+    prompts_file: str | None = None
+    max_new_tokens: int = 32  # per turn
+    # Draft tokens per step, each <= train.ttt_steps (SpecBundle reports k = 3 and 7).
+    num_speculative_tokens: list[int] = dataclasses.field(default_factory=lambda: [3, 7])
+    temperatures: list[float] = dataclasses.field(default_factory=lambda: [0.0, 1.0])
+    bootstrap_samples: int = 1000  # resamples of the prompts for the 95 % interval
+    seed: int = 0  # sampling at temperature > 0, and the bootstrap
+    vllm: bool = True  # measure with vLLM serving the draft (else: the greedy simulation only)
 
 
 @dataclasses.dataclass

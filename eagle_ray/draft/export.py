@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 TARGET_KEY = "eagle_ray_target"  # config.json: the TargetIdentity the draft was trained against
+TTT_STEPS_KEY = "eagle_ray_ttt_steps"  # config.json: draft steps it was trained to chain
 
 
 def serving_layer_ids(target: TargetIdentity) -> list[int]:
@@ -34,9 +35,10 @@ def serving_layer_ids(target: TargetIdentity) -> list[int]:
 
 
 def export_draft(draft: Eagle3Draft, vocab: DraftVocab, target: TargetIdentity,
-                 out_dir: str | Path) -> Path:
+                 out_dir: str | Path, ttt_steps: int | None = None) -> Path:
     """Write `config.json` + `model.safetensors` (+ `d2t`, `t2d` unless full-vocabulary) for the
-    `target` the draft was trained against, and validate them."""
+    `target` the draft was trained against (and the `ttt_steps` it was trained to chain: the
+    most draft tokens an evaluation asks of it), and validate them."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     c = draft.config
@@ -64,6 +66,7 @@ def export_draft(draft: Eagle3Draft, vocab: DraftVocab, target: TargetIdentity,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": serving_ids,
                          "use_aux_hidden_state": True},
         TARGET_KEY: target.to_dict(),
+        **({TTT_STEPS_KEY: ttt_steps} if ttt_steps is not None else {}),
     }
     state = {name: t.detach().cpu().contiguous() for name, t in draft.state_dict().items()
              if not name.startswith("embed_tokens.")}  # vLLM shares the target's embedding
@@ -140,6 +143,11 @@ def exported_target(path: str | Path) -> TargetIdentity:
     if TARGET_KEY not in config:
         raise ValueError(f"{path} has no {TARGET_KEY} in config.json: not exported by eagle_ray")
     return TargetIdentity.from_dict(config[TARGET_KEY])
+
+
+def exported_ttt_steps(path: str | Path) -> int | None:
+    """How many draft steps an exported draft was trained to chain (None: not recorded)."""
+    return json.loads((Path(path) / "config.json").read_text()).get(TTT_STEPS_KEY)
 
 
 def load_exported_draft(path: str | Path, embedding_weight: torch.Tensor

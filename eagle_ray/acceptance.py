@@ -1,0 +1,211 @@
+"""Acceptance length the way published drafts are compared: vLLM serving the draft as the
+target's `eagle3` speculative model, chain drafting `k` tokens, at a sampling temperature, over a
+set of prompts answered turn by turn; per prompt from vLLM's per-request counters, then pooled
+(1 + accepted / verify steps, vLLM's own definition) with a 95 % bootstrap interval over prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eagle_ray.chat import prompt_for_turn
+from eagle_ray.console import native_output_to_log
+from eagle_ray.eval_prompts import EvalPrompt
+
+logger = logging.getLogger(__name__)
+
+TEMPLATE_TOKENS_PER_TURN = 16  # what a chat template writes around an answer, at most
+
+# `(which prompts, their token ids)` -> the answers' token ids, for one turn of a batch.
+Answerer = Callable[[list[int], list[list[int]]], list[list[int]]]
+
+
+@dataclasses.dataclass
+class PromptTally:
+    """One prompt's verify steps, by how many draft tokens each accepted (`histogram[j]`)."""
+
+    histogram: list[int]
+
+    @property
+    def steps(self) -> int:
+        return sum(self.histogram)
+
+    @property
+    def accepted(self) -> int:
+        return sum(j * count for j, count in enumerate(self.histogram))
+
+    def add(self, histogram: Sequence[int]) -> None:
+        for j, count in enumerate(histogram):
+            self.histogram[j] += count
+
+
+def summarise(tallies: Sequence[PromptTally], k: int, bootstrap_samples: int = 1000,
+              seed: int = 0) -> dict[str, Any]:
+    """Pooled acceptance length over prompts, its 95 % bootstrap interval (prompts resampled
+    with replacement), and per draft position the share of verify steps that accepted it."""
+    steps = np.array([t.steps for t in tallies], dtype=np.float64)
+    accepted = np.array([t.accepted for t in tallies], dtype=np.float64)
+    histogram = np.array([t.histogram for t in tallies], dtype=np.int64).reshape(len(tallies),
+                                                                                  k + 1)
+    total_steps = steps.sum()
+    result: dict[str, Any] = {
+        "prompts": len(tallies), "verify_steps": int(total_steps),
+        "accepted_tokens": int(accepted.sum()),
+        "mean_acceptance_length": float(1 + accepted.sum() / total_steps)
+        if total_steps else float("nan"),
+        "interval_95": [float("nan"), float("nan")],
+        "acceptance_per_position": [
+            float(histogram[:, j + 1:].sum() / total_steps) if total_steps else float("nan")
+            for j in range(k)],
+    }
+    if total_steps and len(tallies) > 1:
+        picks = np.random.default_rng(seed).integers(0, len(tallies),
+                                                      (bootstrap_samples, len(tallies)))
+        resampled_steps = steps[picks].sum(1)
+        lengths = 1 + accepted[picks].sum(1) / np.maximum(resampled_steps, 1)
+        lengths = lengths[resampled_steps > 0]
+        result["interval_95"] = [float(np.percentile(lengths, 2.5)),
+                                 float(np.percentile(lengths, 97.5))]
+    return result
+
+
+def answer_turn_by_turn(prompts: Sequence[EvalPrompt], tokenizer, answer: Answerer,
+                        max_prompt_tokens: int | None = None
+                        ) -> tuple[list[list[list[int]]], dict[int, str]]:
+    """Every prompt's turns answered in order (all prompts' turn t in one batch), each answer
+    joining the conversation before the next turn. Returns per prompt the token ids of each
+    turn's prompt as sent, and the prompts that failed (index -> why): one whose next turn is
+    longer than `max_prompt_tokens` stops there and is counted, not sent."""
+    sent: list[list[list[int]]] = [[] for _ in prompts]
+    answers: list[list[str]] = [[] for _ in prompts]
+    failed: dict[int, str] = {}
+    for turn in range(max(len(p.turns) for p in prompts)):
+        batch = []
+        for i, prompt in enumerate(prompts):
+            if turn >= len(prompt.turns) or i in failed:
+                continue
+            ids = prompt_for_turn(tokenizer, prompt.messages_for_turn(turn, answers[i]),
+                                  2 * turn + 1 + len(prompt.context))
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                failed[i] = (f"turn {turn + 1} is {len(ids)} tokens, more than the engine's "
+                             f"{max_prompt_tokens} (raise eval.max_model_len)")
+                continue
+            batch.append((i, ids))
+        if not batch:
+            break
+        owners, batch_ids = [i for i, _ in batch], [ids for _, ids in batch]
+        for (i, ids), answer_ids in zip(batch, answer(owners, batch_ids), strict=True):
+            sent[i].append(ids)
+            answers[i].append(tokenizer.decode(answer_ids, skip_special_tokens=True))
+    return sent, failed
+
+
+def speculative_config(draft_dir: str | Path, k: int) -> dict[str, Any]:
+    """vLLM's `speculative_config` for serving `draft_dir` as the target's EAGLE-3 draft (the
+    evaluation and the printed `vllm serve` command use the same)."""
+    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+
+
+def vllm_acceptance_table(
+    model_path: str, draft_dir: str | Path, prompts: Sequence[EvalPrompt], tokenizer,
+    ks: Sequence[int], temperatures: Sequence[float], max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (), reference: Answerer | None = None,
+    dtype: str = "float32", bootstrap_samples: int = 1000, seed: int = 0,
+    engine_kwargs: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per (k, temperature): `summarise`'s figures, the prompts that failed (counted,
+    with why), and at temperature 0 the share of answers equal to `reference`'s (the target's
+    greedy answers without speculation; speculation must not change them)."""
+    rows = []
+    for k in ks:
+        with _spec_engine(model_path, draft_dir, k, dtype, engine_kwargs,
+                          _max_model_len(model_path, prompts, tokenizer, max_new_tokens)) as llm:
+            for temperature in temperatures:
+                rows.append(_measure(llm, prompts, tokenizer, k, temperature, max_new_tokens,
+                                     stop_token_ids, reference, bootstrap_samples, seed))
+                logger.info("acceptance k=%d temperature %.1f: %.2f (95%% %s) over %d prompts",
+                            k, temperature, rows[-1]["mean_acceptance_length"],
+                            rows[-1]["interval_95"], rows[-1]["prompts"])
+    return rows
+
+
+def _measure(llm, prompts: Sequence[EvalPrompt], tokenizer, k: int, temperature: float,
+             max_new_tokens: int, stop_token_ids: Sequence[int], reference: Answerer | None,
+             bootstrap_samples: int, seed: int) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                            stop_token_ids=list(stop_token_ids), detokenize=False)
+    tallies = [PromptTally([0] * (k + 1)) for _ in prompts]
+    greedy_equal: list[bool] = []
+
+    def answer(owners: list[int], batch: list[list[int]]) -> list[list[int]]:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], params,
+                               use_tqdm=False)
+        answers = [list(o.outputs[0].token_ids) for o in outputs]
+        for i, output in zip(owners, outputs, strict=True):
+            metrics = output.outputs[0].spec_decode_metrics
+            if metrics is not None:  # None: the answer ended before a draft was verified
+                tallies[i].add(metrics.histogram)
+        if temperature == 0 and reference is not None:
+            greedy_equal.extend(a == r for a, r in zip(answers, reference(owners, batch),
+                                                        strict=True))
+        return answers
+
+    room = llm.llm_engine.model_config.max_model_len - max_new_tokens
+    _, failed = answer_turn_by_turn(prompts, tokenizer, answer, room)
+    row = {"num_speculative_tokens": k, "temperature": temperature,
+           **summarise([t for i, t in enumerate(tallies) if i not in failed], k,
+                       bootstrap_samples, seed),
+           "failed": len(failed), "failures": sorted(set(failed.values()))[:3]}
+    if greedy_equal:
+        row["greedy_equal_fraction"] = sum(greedy_equal) / len(greedy_equal)
+    return row
+
+
+def _max_model_len(model_path: str, prompts: Sequence[EvalPrompt], tokenizer,
+                   max_new_tokens: int) -> int:
+    """Room for the longest prompt with every turn answered in full (and a few tokens of the
+    template's around each answer), within the target's positions: sized for these prompts, not
+    the checkpoint's 131,072 positions a Llama-3.1 would claim (`eagle_ray.engine_sizing`)."""
+    from transformers import AutoConfig
+
+    longest = max(
+        len(prompt_for_turn(tokenizer, p.messages_for_turn(len(p.turns) - 1,
+                                                           [""] * len(p.turns)),
+                            2 * len(p.turns) - 1 + len(p.context)))
+        + len(p.turns) * (max_new_tokens + TEMPLATE_TOKENS_PER_TURN) for p in prompts)
+    positions = AutoConfig.from_pretrained(model_path).get_text_config().max_position_embeddings
+    return min(longest + 1, positions)
+
+
+@contextlib.contextmanager
+def _spec_engine(model_path: str, draft_dir: str | Path, k: int, dtype: str,
+                 engine_kwargs: dict[str, Any] | None, max_model_len: int) -> Iterator[Any]:
+    """vLLM serving `draft_dir` as the target's EAGLE-3 draft with `k` tokens per step, keeping
+    per-request acceptance counters."""
+    from vllm.platforms import current_platform
+
+    from eagle_ray.tokenizer_files import has_tokenizer_files, tokenizer_path
+    from eagle_ray.vllm_runner import CPU_DEFAULTS, GPU_DEFAULTS, build_llm
+
+    kwargs = {**(CPU_DEFAULTS if current_platform.is_cpu() else GPU_DEFAULTS),
+              **(engine_kwargs or {})}
+    with native_output_to_log():
+        llm = build_llm({
+            **kwargs, "model": model_path, "dtype": dtype, "max_model_len": max_model_len,
+            "skip_tokenizer_init": not has_tokenizer_files(tokenizer_path(model_path, kwargs)),
+            "speculative_config": speculative_config(draft_dir, k),
+            "per_request_spec_decode_metrics": "summary"}, multiprocess=True)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,24 @@
+"""EAGLE-3 for target architectures whose vLLM model class lacks it, as a vLLM plugin.
+
+vLLM captures a target's aux hidden states (for eagle_ray's supervision, and for serving an
+EAGLE-3 draft) only on model classes that implement `SupportsEagle3`. vLLM 0.32's
+`MixtralForCausalLM` does not ("Model does not support EAGLE3 interface but
+aux_hidden_state_outputs was requested"). `register` -- the `vllm.general_plugins` entry point
+this package installs, so every vLLM process of an environment with eagle_ray in it loads it,
+including a `vllm serve` of an exported draft -- registers the subclass below in its place, and
+does nothing once vLLM's own class supports EAGLE-3. Equal to the HF reference on every slot:
+tests/test_vllm_target.py.
+"""
+
+from __future__ import annotations
+
+MIXTRAL = "MixtralForCausalLM"
+
+
+def register() -> None:
+    """The plugin entry point (`pyproject.toml`: `vllm.general_plugins`)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.mixtral import MixtralForCausalLM
+
+    if not getattr(MixtralForCausalLM, "supports_eagle3", False):
+        ModelRegistry.register_model(MIXTRAL, "eagle_ray.vllm_mixtral:Eagle3MixtralForCausalLM")
