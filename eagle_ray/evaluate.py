@@ -4,14 +4,15 @@
    `eval.num_speculative_tokens` k and `eval.temperatures` temperature, with intervals
    (`eagle_ray.acceptance`); at temperature 0 its output must equal the target's greedy output
    without speculation.
-2. `simulate_acceptance`: the project's own greedy chain drafting on the same turns. Per
-   iteration the target gives its next token, the draft proposes k more, the target's greedy
-   continuation accepts a prefix; acceptance length = tokens gained per target forward (vLLM's
-   definition, so the two agree at temperature 0).
+2. The project's own chain-drafting simulation with the HF target (`eagle_ray.simulate`) on
+   the same turns, at the same k and temperatures, for the trained draft and an untrained one
+   (the baseline): independent of vLLM's speculative decoding, so each checks the other (at
+   temperature 0 they agree exactly).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,10 +24,10 @@ from eagle_ray.acceptance import answer_turn_by_turn, vllm_acceptance_table
 from eagle_ray.chat import stop_token_ids
 from eagle_ray.config import ConfigError, EvalConfig
 from eagle_ray.draft.export import load_exported_draft
-from eagle_ray.draft.model import Eagle3Draft, shift_left
+from eagle_ray.draft.model import Eagle3Draft
 from eagle_ray.eval_prompts import EvalPrompt, EvalPrompts, read_eval_prompts
 from eagle_ray.hf_target import HFEagle3TargetModel
-from eagle_ray.supervision import DraftVocab
+from eagle_ray.simulate import simulate_acceptance, simulate_sampled_acceptance
 from eagle_ray.target_runner import Sampling
 
 logger = logging.getLogger(__name__)
@@ -37,48 +38,6 @@ def greedy_generate(target: HFEagle3TargetModel, prompt: list[int], max_new_toke
     """The target's greedy continuation of `prompt`, up to and including a stop token."""
     return target.complete([prompt], Sampling(max_new_tokens=max_new_tokens,
                                               stop_token_ids=stop_token_ids))[0]
-
-
-@torch.inference_mode()
-def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,
-                        prompts: list[list[int]], continuations: list[list[int]], k: int
-                        ) -> tuple[float, list[float]]:
-    """Mean acceptance length of greedy chain drafting of `k` tokens (tokens gained per target
-    forward), over each prompt's greedy continuation (up to its end-of-turn token, as vLLM stops
-    there), and per draft position the share of drafts accepted up to it."""
-    head = target.get_target_head()
-    drafts, accepted_total, per_position = 0, 0, [0] * k
-    for prompt, continuation in zip(prompts, continuations, strict=True):
-        seq, produced = list(prompt), 0
-        while produced < len(continuation):
-            ids = torch.tensor([seq])
-            ones = torch.ones_like(ids)
-            out = target.runner.run(ids, ones)
-            next_token = int(head(out.last_hidden[0, -1]).argmax())
-            truth = continuation[produced + 1: produced + 1 + k]
-            if not truth:  # the answer ends with this token: no draft left to verify
-                break
-            # Step j reads, at the last slot, the token drafted by step j - 1.
-            step_ids = [torch.tensor([seq[1:] + [next_token]])]
-            drafted: list[int] = []
-            for _ in range(k):
-                logits = draft(out.aux_hidden_states.float(), step_ids)[-1][0, -1]
-                drafted.append(int(vocab.draft_to_target[int(logits.argmax())]))
-                step = shift_left(step_ids[-1], 1)
-                step[0, -1] = drafted[-1]
-                step_ids.append(step)
-            accepted = 0
-            while accepted < len(truth) and drafted[accepted] == truth[accepted]:
-                accepted += 1
-            seq += [next_token] + drafted[:accepted]
-            produced += 1 + accepted
-            drafts += 1
-            accepted_total += accepted
-            for position in range(accepted):
-                per_position[position] += 1
-    # vLLM's definition, so the two measurements are comparable: 1 + accepted / drafts.
-    return (1 + accepted_total / max(drafts, 1),
-            [count / max(drafts, 1) for count in per_position])
 
 
 def check_eval_settings(eval_config: EvalConfig, ttt_steps: int | None,
@@ -159,13 +118,15 @@ def evaluate_draft(model_path: str, draft_dir: str | Path, prompts: EvalPrompts,
         "skipped_lines": prompts.skipped, "failed_prompts": len(failed),
         "num_speculative_tokens": list(eval_config.num_speculative_tokens),
         "temperatures": list(eval_config.temperatures), "simulated": []}
-    for k in eval_config.num_speculative_tokens:
-        row: dict[str, Any] = {"num_speculative_tokens": k, "temperature": 0.0}
-        for name, draft in (("trained", trained), ("untrained", untrained)):
-            draft.eval()
+    continuations = greedy([], turn_prompts)
+    for k, temperature in itertools.product(eval_config.num_speculative_tokens,
+                                            eval_config.temperatures):
+        row: dict[str, Any] = {"num_speculative_tokens": k, "temperature": temperature}
+        for name, draft in (("trained", trained.eval()), ("untrained", untrained.eval())):
             row[name], row[f"acceptance_per_position_{name}"] = simulate_acceptance(
-                target, draft, vocab, turn_prompts, [greedy([], [p])[0] for p in turn_prompts],
-                k)
+                target, draft, vocab, turn_prompts, continuations, k) if temperature == 0 \
+                else simulate_sampled_acceptance(target, draft, vocab, turn_prompts, k,
+                                                 temperature, n, stops, eval_config.seed)
         report["simulated"].append(row)
     if eval_config.vllm:
         report["vllm"] = vllm_acceptance_table(

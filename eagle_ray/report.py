@@ -9,7 +9,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-REPORT_SIZE_PX = (1200, 800)
+REPORT_SIZE_PX = (1500, 800)
+DISAGREEMENT = 0.25  # acceptance length between vLLM and the simulation worth a line
 
 
 def serve_command(model_path: str, draft_dir: str | Path, num_speculative_tokens: int,
@@ -51,21 +52,20 @@ def _with_interval(row: dict[str, Any]) -> str:
 
 def acceptance_lines(report: dict[str, Any]) -> list[str]:
     """The acceptance table: one column per (k, temperature) vLLM measured (95 % interval over
-    prompts), the greedy simulation beside it, and acceptance per draft position at the
-    largest k."""
+    prompts), the simulation beside it, and acceptance per draft position at the largest k."""
     measured, simulated = report.get("vllm") or [], report.get("simulated") or []
     columns = measured or simulated
     width = 18
     lines = [f"  acceptance  length (1 + accepted / verify steps) on {report['prompts']} prompts "
              f"({report['turns']} turns){'; 95% interval over prompts' if measured else ''}",
              _row("", [_setting(c) for c in columns], width)]
-    by_k = {r["num_speculative_tokens"]: r for r in simulated}
+    by_setting = {_setting(r): r for r in simulated}
     if measured:
         lines.append(_row("vLLM, trained draft", [_with_interval(r) for r in measured], width))
     for name in ("trained", "untrained"):
-        lines.append(_row(f"simulated greedy, {name}", [
-            by_k[c["num_speculative_tokens"]][name] if c["temperature"] == 0
-            and c["num_speculative_tokens"] in by_k else "-" for c in columns], width))
+        lines.append(_row(f"simulated, {name}", [
+            by_setting[_setting(c)][name] if _setting(c) in by_setting else "-"
+            for c in columns], width))
     if measured:
         lines.append(_row("greedy output unchanged", [
             f"{r['greedy_equal_fraction']:.0%}" if "greedy_equal_fraction" in r else "-"
@@ -75,6 +75,11 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
                 "unreadable lines": sum((report.get("skipped_lines") or {}).values())}
     if any(problems.values()):
         lines.append("    " + ", ".join(f"{count} {what}" for what, count in problems.items()))
+    apart = [_setting(r) for r in measured if _setting(r) in by_setting and abs(
+        r["mean_acceptance_length"] - by_setting[_setting(r)]["trained"]) > DISAGREEMENT]
+    if apart:
+        lines.append(f"    vLLM and the simulation disagree at {'; '.join(apart)} (README, "
+                     f"\"Evaluation\": vLLM's sampled speculative decoding on the CPU build)")
     series = per_position_series(report)
     if series:
         k = max(len(values) for _, values in series)
@@ -84,15 +89,16 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
 
 
 def per_position_series(report: dict[str, Any]) -> list[tuple[str, list[float]]]:
-    """Acceptance per draft position at the largest k: each temperature vLLM measured, and the
-    simulation of the trained and untrained drafts."""
+    """Acceptance per draft position at the largest k: each temperature vLLM measured and
+    simulated (the trained and the untrained draft)."""
     rows = (report.get("vllm") or []) + (report.get("simulated") or [])
     if not rows:
         return []
     k = max(r["num_speculative_tokens"] for r in rows)
     series = [(f"vLLM, t={r['temperature']:g}", r["acceptance_per_position"])
               for r in report.get("vllm") or [] if r["num_speculative_tokens"] == k]
-    series += [(f"simulated, {name}", r[f"acceptance_per_position_{name}"])
+    series += [(f"simulated, t={r['temperature']:g}, {name}",
+                r[f"acceptance_per_position_{name}"])
                for r in report.get("simulated") or [] if r["num_speculative_tokens"] == k
                for name in ("trained", "untrained")]
     return series
@@ -135,16 +141,17 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def write_report_png(summary: dict[str, Any], metrics: list[dict[str, Any]],
                      path: str | Path) -> Path:
-    """`report.png`: loss and accuracy per TTT step over training, acceptance per draft
-    position at the largest k (vLLM per temperature, the simulation of the trained and the
-    untrained draft), supervision tokens/s and wait shares."""
+    """`report.png`: loss and accuracy per TTT step over training, supervision tokens/s and
+    wait shares; the acceptance table (`acceptance_lines`: length per k and temperature with its
+    interval), and acceptance per draft position at the largest k (vLLM per temperature, the
+    simulation of the trained and the untrained draft)."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless
     import matplotlib.pyplot as plt
 
     width, height = REPORT_SIZE_PX
-    fig, axes = plt.subplots(2, 2, figsize=(width / 100, height / 100), dpi=100)
+    fig, axes = plt.subplots(2, 3, figsize=(width / 100, height / 100), dpi=100)
     steps = [m["step"] for m in metrics]
     ttt = len(_ttt_values(metrics[-1], "loss")) if metrics else 0
     for ax, name, title in ((axes[0, 0], "loss", "loss per TTT step"),
@@ -154,7 +161,12 @@ def write_report_png(summary: dict[str, Any], metrics: list[dict[str, Any]],
         ax.set_title(title)
         ax.set_xlabel("training step")
         ax.legend(fontsize=8)
-    ax = axes[1, 0]
+    axes[1, 0].axis("off")
+    if summary.get("eval"):
+        axes[1, 0].text(0, 1, "\n".join(line[2:] for line in acceptance_lines(summary["eval"])),
+                        family="monospace", fontsize=6.5, va="top")
+    axes[1, 0].set_title("acceptance length (1 + accepted / verify steps)")
+    ax = axes[1, 1]
     series = per_position_series(summary.get("eval") or {})
     if series:
         k = max(len(values) for _, values in series)
@@ -168,7 +180,7 @@ def write_report_png(summary: dict[str, Any], metrics: list[dict[str, Any]],
         ax.legend(fontsize=8)
     ax.set_title("acceptance rate per draft position")
     ax.set_xlabel("draft position")
-    ax = axes[1, 1]
+    ax = axes[0, 2]
     ax.plot(steps, [m["supervision_tokens_per_s"] for m in metrics], color="tab:blue")
     ax.set_ylabel("supervision tok/s", color="tab:blue")
     ax.set_xlabel("training step")
@@ -179,6 +191,7 @@ def write_report_png(summary: dict[str, Any], metrics: list[dict[str, Any]],
                     label=key.replace("_", " "))
     shares.set_ylim(0, 1)
     shares.legend(fontsize=8, loc="upper right")
+    axes[1, 2].axis("off")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

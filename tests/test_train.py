@@ -11,10 +11,13 @@ import json
 import os
 import shlex
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from eagle_ray.config import JobConfig, load_yaml
 from eagle_ray.report import REPORT_SIZE_PX
@@ -91,7 +94,8 @@ def test_trained_draft_beats_an_untrained_one_in_simulation_and_in_vllm(trained)
     _, summary, _ = trained
     report = summary["eval"]
     assert report["prompts"] == 6 and report["failed_prompts"] == 0
-    simulated = {r["num_speculative_tokens"]: r for r in report["simulated"]}
+    simulated = {r["num_speculative_tokens"]: r for r in report["simulated"]
+                 if r["temperature"] == 0}
     measured = {(r["num_speculative_tokens"], r["temperature"]): r for r in report["vllm"]}
     assert sorted(simulated) == [3, 7] and sorted(measured) == [(3, 0.0), (3, 1.0), (7, 0.0),
                                                                 (7, 1.0)]
@@ -109,7 +113,11 @@ def test_trained_draft_beats_an_untrained_one_in_simulation_and_in_vllm(trained)
         low, high = row["interval_95"]
         assert row["prompts"] == 6 and row["failed"] == 0 and row["verify_steps"] > 0
         assert low <= row["mean_acceptance_length"] <= high
-    assert measured[7, 1.0]["mean_acceptance_length"] > 1.0, "sampled drafts accepted too"
+    # Sampled, the simulation shows the draft working (vLLM's CPU build does not: README).
+    sampled = {r["num_speculative_tokens"]: r for r in report["simulated"]
+               if r["temperature"] == 1.0}
+    assert sorted(sampled) == [3, 7]
+    assert all(r["trained"] > r["untrained"] + 0.5 for r in sampled.values()), sampled
 
 
 def test_export_is_a_servable_draft_folder(trained):
@@ -202,6 +210,62 @@ def test_the_printed_serve_command_serves_what_the_evaluation_served(trained):
     spec = json.loads(options["--speculative-config"])
     assert spec == speculative_config(summary["draft_dir"], 3) and spec["method"] == "eagle3"
     assert summary["eval"]["vllm"][0]["mean_acceptance_length"] > 1.0  # vLLM drafted with it
+
+
+def test_sampling_near_temperature_zero_simulates_the_greedy_acceptance(trained):
+    """The sampled simulation's oracle: as the temperature goes to 0 the target's distribution
+    becomes its argmax, so speculative sampling accepts exactly what greedy drafting does."""
+    import torch
+
+    from eagle_ray.chat import prompt_for_turn, stop_token_ids
+    from eagle_ray.draft.export import exported_target, load_exported_draft
+    from eagle_ray.evaluate import greedy_generate
+    from eagle_ray.hf_target import HFEagle3TargetModel
+    from eagle_ray.simulate import simulate_acceptance, simulate_sampled_acceptance
+    from eagle_ray.tiny import generate_chat_samples
+
+    _, summary, _ = trained
+    served = exported_target(summary["draft_dir"])
+    target = HFEagle3TargetModel.from_pretrained(served.model_path, list(served.aux_layer_ids),
+                                                 dtype=torch.float32)
+    draft, vocab = load_exported_draft(summary["draft_dir"],
+                                       target.get_input_embeddings().weight.detach())
+    tokenizer = AutoTokenizer.from_pretrained(served.model_path)
+    prompts = [prompt_for_turn(tokenizer, s["messages"], 2)
+               for s in generate_chat_samples(4, seed=321)]
+    stops = stop_token_ids(tokenizer)
+    greedy = simulate_acceptance(target, draft.eval(), vocab, prompts,
+                                 [greedy_generate(target, p, 24, stops) for p in prompts], 3)
+    sampled = simulate_sampled_acceptance(target, draft, vocab, prompts, 3, 1e-4, 24, stops)
+    assert sampled[0] == pytest.approx(greedy[0], abs=0.05) and greedy[0] > 1.5, (greedy, sampled)
+    hot = simulate_sampled_acceptance(target, draft, vocab, prompts, 3, 20.0, 24, stops)
+    assert hot[0] < greedy[0] - 0.5, "a flat target accepts little: the control"
+
+
+def test_eval_answers_mt_bench_turn_by_turn_from_the_command_line(trained, tmp_path):
+    """`eagle-ray eval --draft DIR --prompts FILE`: two-turn MT-Bench lines and a GSM8K line,
+    each turn answered by vLLM with the draft, greedy output unchanged; an unreadable line is
+    counted, not dropped silently."""
+    _, summary, _ = trained
+    prompts = tmp_path / "mt_bench.jsonl"
+    prompts.write_text("\n".join([
+        json.dumps({"question_id": 1, "turns": ["What is the capital of Peru?",
+                                                "And of Kenya?"]}),
+        json.dumps({"question_id": 2, "turns": ["What is two plus three?", "And plus one?"]}),
+        json.dumps({"question": "Describe a red car in one sentence.", "answer": "-"}),
+        "{not json"]) + "\n")
+    command = [str(Path(sys.executable).parent / "eagle-ray"), "eval", "--draft",
+               summary["draft_dir"], "--prompts", str(prompts), f"output_dir={tmp_path}",
+               "eval.num_speculative_tokens=[3]", "eval.temperatures=[0.0]",
+               "eval.max_new_tokens=12"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["prompts"] == 3 and report["turns"] == 5
+    assert report["skipped_lines"] == {"not JSON": 1} and report["failed_prompts"] == 0
+    [row] = report["vllm"]
+    assert row["prompts"] == 3 and row["verify_steps"] > 0
+    assert row["greedy_equal_fraction"] == 1.0, "all five turns kept the greedy answer"
 
 
 def test_a_supervision_cache_trains_without_a_pool_and_refuses_another_target(
