@@ -130,9 +130,9 @@ def vllm_acceptance_table(
             for temperature in temperatures:
                 rows.append(_measure(llm, prompts, tokenizer, k, temperature, max_new_tokens,
                                      stop_token_ids, reference, bootstrap_samples, seed))
-                logger.info("acceptance k=%d temperature %.1f: %.2f (95%% %s) over %d prompts",
-                            k, temperature, rows[-1]["mean_acceptance_length"],
-                            rows[-1]["interval_95"], rows[-1]["prompts"])
+                logger.info("acceptance k=%d temperature %.1f: %.2f (95%% %.2f-%.2f) over %d "
+                            "prompts", k, temperature, rows[-1]["mean_acceptance_length"],
+                            *rows[-1]["interval_95"], rows[-1]["prompts"])
     return rows
 
 

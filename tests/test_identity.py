@@ -1,6 +1,8 @@
 """What a target serves, and the check that stops a job from training for another target."""
 
+import json
 import shutil
+import struct
 
 import pytest
 
@@ -31,6 +33,27 @@ def test_other_checkpoints_have_other_fingerprints(llama_path, qwen3_path, tmp_p
     reseeded = build_tiny_target(tmp_path / "reseeded", "llama", seed=1)  # same config
     fingerprints = {checkpoint_fingerprint(p) for p in (llama_path, qwen3_path, reseeded)}
     assert len(fingerprints) == 3
+
+
+def test_a_fine_tune_of_a_tensor_far_into_the_file_changes_the_fingerprint(llama_path, tmp_path):
+    """Every tensor counts, not the first MiB of the file: the fingerprint of a copy whose last
+    tensor (stored past the first MiB) was changed as a fine-tune changes it differs."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    copy = shutil.copytree(llama_path, tmp_path / "tuned")
+    weights = copy / "model.safetensors"
+    with open(weights, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    offsets = {n: t["data_offsets"][0] for n, t in header.items() if n != "__metadata__"}
+    last = max(offsets, key=offsets.get)
+    assert offsets[last] > 1 << 20, "the changed tensor lies past the first MiB"
+    with safe_open(weights, "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+        metadata = f.metadata()
+    tensors[last] = tensors[last] + 1e-3
+    save_file(tensors, weights, metadata=metadata)
+    assert checkpoint_fingerprint(copy) != checkpoint_fingerprint(llama_path)
 
 
 def test_a_job_that_leaves_settings_unset_adopts_the_pool(served):
