@@ -326,8 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--conversations", type=int, nargs="+", default=[10_000, 100_000],
                        help="ingest: dataset sizes compared (driver memory must stay flat)")
     bench.add_argument("--device", default="cuda", help="gpu: the device measured (cuda, cpu)")
-    bench.add_argument("--small", action="store_true",
-                       help="gpu: tiny shapes instead of Llama-3.1-8B's (seconds; CI)")
+    bench.add_argument("--quick", action="store_true", help="the smallest sizes that run all of "
+                       "its code (CI; gpu: tiny shapes instead of Llama-3.1-8B's)")
     return parser
 
 

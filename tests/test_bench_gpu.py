@@ -1,4 +1,4 @@
-"""`eagle-ray bench gpu --device cpu --small`: the GPU check's code runs in CI, and what it
+"""`eagle-ray bench gpu --device cpu --quick`: the GPU check's code runs in CI, and what it
 reports says what the device paths must hold."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 def test_the_gpu_check_runs_on_the_cpu_at_small_shapes():
     done = subprocess.run([sys.executable, "-m", "eagle_ray.cli", "bench", "gpu", "--device",
-                           "cpu", "--small"], capture_output=True, text=True, timeout=600)
+                           "cpu", "--quick"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines()]
     by_metric: dict[str, list[dict]] = {}

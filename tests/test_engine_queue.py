@@ -9,6 +9,8 @@ from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.pool.engine_queue import EngineQueue, merge_micro_batches, split_batch
 from eagle_ray.testing import random_micro_batch
 
+from pool_helpers import wait_until
+
 
 @pytest.fixture(scope="module")
 def hf_target(llama_path):
@@ -60,8 +62,8 @@ def test_micro_batches_waiting_together_share_one_call_within_the_token_cap(hf_t
     assert engine.entered.wait(30)  # the first is on the engine; four wait behind it
     for t in threads[1:]:
         t.start()
-    while len(queue._jobs) < 4:
-        threading.Event().wait(0.01)
+    # All five inside (one on the engine, four waiting): the queue's own count, bounded.
+    wait_until(lambda: queue.stats["inside"] == 5, what="four micro-batches waiting")
     engine.release.set()
     for t in threads:
         t.join(60)

@@ -7,6 +7,7 @@ started on free ports in its own temp dir, and only its own processes are stoppe
 import collections
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -120,10 +121,17 @@ def test_serve_then_ray_job_submit_trains_on_the_shared_pool_then_status_and_shu
     replica = json.loads(status.stdout)["replicas"]["shared-replica-0"]
     assert replica["served_micro_batches"] >= 6  # one worker x 6 steps, served by the shared pool
 
-    # Without the cluster's token (no RAY_AUTH_MODE, no ~/.ray/auth_token) nothing is reachable.
+    # Without the cluster's token (no RAY_AUTH_MODE, no ~/.ray/auth_token) nothing is reachable,
+    # and the refusal is the authentication's ...
     outsider = {**env, "HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
     refused = eagle_ray(outsider, "status", *gcs, "--name", "shared", timeout=180)
     assert refused.returncode != 0 and "served_micro_batches" not in refused.stdout
+    assert "auth" in (refused.stdout + refused.stderr).lower(), refused.stderr[-3000:]
+    # ... not the swapped HOME's: with the token copied there, the same call goes through.
+    (tmp_path / ".ray").mkdir(exist_ok=True)
+    shutil.copy(Path.home() / ".ray" / "auth_token", tmp_path / ".ray" / "auth_token")
+    holder = eagle_ray({**env, "HOME": str(tmp_path)}, "status", *gcs, "--name", "shared")
+    assert holder.returncode == 0 and "served_micro_batches" in holder.stdout, holder.stderr
 
     assert eagle_ray(env, "shutdown", *gcs, "--name", "shared").returncode == 0
     gone = eagle_ray(env, "status", *gcs, "--name", "shared")

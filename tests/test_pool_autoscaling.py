@@ -41,7 +41,9 @@ def pending_groups(pool) -> int:
                if info["name"].startswith(pool.config.replica_prefix))
 
 
-def test_replicas_follow_demand_and_training_rides_through_exactly_once(local_ray, tmp_path):
+@pytest.mark.parametrize("reuse", ["fresh-leases", "default-reuse"])
+def test_replicas_follow_demand_and_training_rides_through_exactly_once(local_ray, tmp_path,
+                                                                        reuse):
     gate = tmp_path / "hold"
     gate.touch()
     pool = synthetic_pool(
@@ -52,9 +54,11 @@ def test_replicas_follow_demand_and_training_rides_through_exactly_once(local_ra
                                       upscale_delay_s=0.5, downscale_delay_s=1.0,
                                       interval_s=0.2))
     try:
-        # Every micro-batch asks the router (lease_reuse_s 0), so a replica added mid-run gets
-        # work at once; passed-on leases would reach it only when they expire.
-        trainers = [TrainerStandIn.remote("autoscale", lease_reuse_s=0) for _ in range(3)]
+        # fresh-leases: every micro-batch asks the router (lease_reuse_s 0), so a replica added
+        # mid-run gets work at once; default-reuse: leases are passed on for 5 s (the default),
+        # and reach a new replica only as they expire.
+        reuse_s = {"lease_reuse_s": 0} if reuse == "fresh-leases" else {}
+        trainers = [TrainerStandIn.remote("autoscale", **reuse_s) for _ in range(3)]
         runs = [t.run.remote(40, seed=90 + s) for s, t in enumerate(trainers)]
         # Three windows of 8 micro-batches (26 tokens each) held on the engine: demand ~600
         # tokens wants 6 replicas, capped at 3; the cluster has room for 2.
@@ -73,7 +77,8 @@ def test_replicas_follow_demand_and_training_rides_through_exactly_once(local_ra
             assert result["stats"]["delivered"] == 40 and result["stats"]["retries"] == 0
             served.update(result["stats"]["served_by"])
         assert sum(served.values()) == 120, "every micro-batch served once"
-        assert len(served) == 2, "the new replica took work (the third never got room)"
+        if reuse == "fresh-leases":
+            assert len(served) == 2, "the new replica took work (the third never got room)"
 
         # Demand gone: after the delay the pool drains back to min_replicas, the replica that
         # never got room first.
@@ -120,9 +125,14 @@ def test_replicas_that_fail_to_start_stop_the_scaling_up_and_say_why(local_ray, 
         assert report["replicas_added"] == added, "no replica added after the failure"
         assert report["failed"] >= 1 and "failed to start" in report["blocked"]
         failures = sum(r["state"] == "failed" for r in pool.status()["replicas"].values())
+        # The router's and the controller's series, as Prometheus reads them.
         wait_until(lambda: scrape(local_ray, "autoscale-broken").get(
             "ray_eagle_ray_pool_failed_replicas") == failures,
             what=f"{failures} failed replica(s) in telemetry")
+        wait_until(lambda: scrape(local_ray, "autoscale-broken").get(
+            "ray_eagle_ray_pool_scaling_decisions_total", 0) >= 1
+            and "ray_eagle_ray_pool_demand_tokens" in scrape(local_ray, "autoscale-broken"),
+            what="the controller's decisions and demand in telemetry")
         gate.unlink()
         result = ray.get(run, timeout=TIMEOUT_S)
         assert all(result["correct"]), "the replica that started keeps serving"

@@ -12,6 +12,7 @@ import time
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from eagle_ray.pool import PoolClient
 
@@ -195,6 +196,31 @@ def served_by(trainer) -> collections.Counter:
     """Results the trainer's client received, per replica (counted as they arrive; the router's
     own counts are updated by releases that may still be on their way)."""
     return ray.get(trainer.stats.remote(), timeout=TIMEOUT_S)["served_by"]
+
+
+@pytest.mark.parametrize("locality", [True, False], ids=["locality", "control-no-locality"])
+def test_every_one_of_twenty_leases_goes_to_the_trainers_node_and_without_locality_none(
+        cluster, locality):
+    """On-node share over 20 leases (no lease reuse: one lease per micro-batch). The trainer
+    sits on the node of the replica that ties never pick (the policy breaks ties by the lowest
+    name), so with locality off -- the control -- every lease goes off its node."""
+    plan_node(cluster)
+    plan_node(cluster)
+    cluster.wait_for_nodes()
+    name = f"share-{'on' if locality else 'off'}"
+    pool = synthetic_pool(name, bundle_resources={"target_slot": 1}, locality=locality)
+    try:
+        replicas = pool.status()["replicas"]
+        passed_over = replicas[max(replicas)]["node_id"]
+        trainer = TrainerStandIn.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            passed_over, soft=False)).remote(name, max_inflight_micro_batches=1, lease_reuse_s=0)
+        result = ray.get(trainer.run.remote(20, seed=90), timeout=TIMEOUT_S)
+        assert len(result["correct"]) == 20 and all(result["correct"])
+        status = pool.status()
+        assert status["leases"] == 20, "one lease per micro-batch"
+        assert status["on_node_share"] == (1.0 if locality else 0.0), status["on_node_share"]
+    finally:
+        pool.shutdown()
 
 
 def test_trainers_are_served_on_their_node_and_elsewhere_only_while_its_replica_is_down(

@@ -249,8 +249,9 @@ def test_a_timed_out_attempt_reruns_elsewhere_and_its_late_result_is_dropped(gat
     pool = synthetic_pool("timeout", backend_kwargs={"hold_while": str(gate),
                                                      "hold_first_call_only": True})
     try:
-        # 3 s: long enough for the re-run's own attempt on a loaded 2-core machine.
-        client = pool.client(ClientConfig(timeout_s=3.0, max_attempts=2))
+        # The first attempt is held until the gate opens, so it times out for sure; 10 s is
+        # two orders of magnitude more than the re-run's zero-latency call needs, even loaded.
+        client = pool.client(ClientConfig(timeout_s=10.0, max_attempts=2))
         inputs = micro_batches(1, seed=12)[0]
         # The first attempt is held until the gate opens, so it times out; the re-run goes to
         # the other replica (a replica it failed on is avoided) and is served there.

@@ -12,7 +12,7 @@ from eagle_ray.pool.engine_queue import merge_micro_batches, split_batch
 from eagle_ray.testing import random_micro_batch
 from eagle_ray.vllm_target import VLLMEagle3TargetModel
 
-from fuzz_inputs import as_replica_inputs, hostile_micro_batches
+from fuzz_inputs import as_replica_inputs, hostile_micro_batches, valid_at_a_replica
 
 pytestmark = pytest.mark.slow
 
@@ -32,21 +32,27 @@ def vllm_pool(llama_path):
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
-def test_hostile_input_at_the_client_and_at_a_replica_is_a_clear_error(vllm_pool, data):
+def test_hostile_input_at_the_client_and_at_a_replica_is_refused_iff_invalid(vllm_pool, data):
     served = vllm_pool.identity()
-    batch = data.draw(hostile_micro_batches(served.vocab_size, served.max_length))
+    hostile = data.draw(hostile_micro_batches(served.vocab_size, served.max_length))
     client = vllm_pool.client()
     try:
-        client.submit(*batch)
-    except (TypeError, ValueError):
+        client.submit(*hostile.batch)
+    except (TypeError, ValueError) as e:
+        assert not hostile.valid and hostile.explains(e), (hostile.mutations, e)
         assert client.stats["submitted"] == 0, "refused before it travels"
     else:
-        client.next_result()  # an input the fuzzer made valid is served
+        assert hostile.valid, f"the client sent an invalid batch ({hostile.mutations})"
+        client.next_result()  # an input the fuzzer left valid is served
+    # A caller that bypasses the client: the replica itself never serves an invalid batch.
     replica = ray.get_actor(vllm_pool.config.replica_name(0), namespace="eagle_ray_test")
     try:
-        ray.get(replica.generate.remote(0, as_replica_inputs(batch)), timeout=120)
+        ray.get(replica.generate.remote(0, as_replica_inputs(hostile.batch)), timeout=120)
     except RayTaskError as e:
         assert isinstance(e.as_instanceof_cause(), TypeError | ValueError), e
+        assert not valid_at_a_replica(hostile), f"a valid batch was refused: {e}"
+    else:
+        assert valid_at_a_replica(hostile), f"a replica served {hostile.mutations}"
 
 
 def test_pool_output_equals_the_backend_called_directly_bitwise(vllm_pool, llama_path):

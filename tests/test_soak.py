@@ -16,7 +16,9 @@ def test_every_fault_kind_while_streaming_loses_and_duplicates_nothing():
         report = run_phase(seconds=10, clients=3, faults=True, seed=7, cycle_faults=True)
     finally:
         ray.shutdown()
-    assert report["delivered"] > 100
+    # Exactly once: every micro-batch submitted was delivered, once, right (no throughput floor:
+    # the phase lasts until every fault kind was injected, however slow the machine).
+    assert report["delivered"] == report["submitted"] > 0
     assert (report["lost"], report["duplicated"], report["wrong"]) == (0, 0, 0)
     assert all(report["faults"][fault] >= 1 for fault in FAULTS), report["faults"]
     assert report["retries"] >= 1, "the faults hit micro-batches in flight"

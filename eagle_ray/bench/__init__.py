@@ -89,17 +89,36 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[str, Any], dict[str, Any]]]] = {
     "ingest": ("ingest", "run", lambda path, opts: {
         "model_path": path, "sizes": tuple(opts.conversations)}),
     "soak": ("soak", "run", lambda path, opts: {"minutes": opts.minutes}),
-    "gpu": ("gpu", "run", lambda path, opts: {"device": opts.device, "small": opts.small}),
+    "gpu": ("gpu", "run", lambda path, opts: {"device": opts.device}),
+}
+
+# `--quick`: each benchmark at the smallest size that still runs all of its code (CI runs every
+# one this way and checks the lines' shape, not the figures).
+QUICK: dict[str, dict[str, Any]] = {
+    "handoff": {"repeats": 1},
+    "pool": {"shapes": [(4, 64)], "rounds": 1},
+    "router": {"clients": (1, 2), "seconds": 1.0},
+    "scaling": {"replica_counts": (1, 2)},
+    "transport": {"tokens": 512, "hidden": 256, "repeats": 1},
+    "locality": {"count": 4, "tokens": 256, "hidden": 256, "rounds": 1},
+    "autoscale": {"max_replicas": 2, "trace_share": 0.1},
+    "train": {"steps": 2, "rounds": 1, "seq": 64},
+    "cache": {"micro_batches": 4},
+    "ingest": {"sizes": (200,)},
+    "soak": {"minutes": 0.1},
+    "gpu": {"small": True},
 }
 
 
 def run(which: str, model_path: str, options: Any) -> None:
-    """Run benchmark `which` (a key of `BENCHMARKS`) on the tiny target at `model_path`."""
+    """Run benchmark `which` (a key of `BENCHMARKS`) on the tiny target at `model_path`
+    (`options.quick`: at `QUICK`'s sizes)."""
     module, function, arguments = BENCHMARKS[which]
+    kwargs = {**arguments(model_path, options),
+              **(QUICK.get(which, {}) if getattr(options, "quick", False) else {})}
     with results_only_on_stdout():
         try:
-            getattr(importlib.import_module(f"eagle_ray.bench.{module}"), function)(
-                **arguments(model_path, options))
+            getattr(importlib.import_module(f"eagle_ray.bench.{module}"), function)(**kwargs)
         finally:
             ray = sys.modules.get("ray")  # `bench gpu` runs without Ray
             if ray is not None and ray.is_initialized():  # it prints what it held back

@@ -11,7 +11,7 @@
 - `pool` (when Ray is importable): a one-replica HF pool on the device against the same backend
   in this process, the same micro-batches (the pool's own overhead where cores are not shared).
 
-`--device cpu --small` runs the same code at tiny shapes in seconds (CI). Peak memory is
+`--device cpu --quick` runs the same code at tiny shapes in seconds (CI). Peak memory is
 `torch.cuda.max_memory_allocated` on a GPU and `TensorMemoryProbe` on the CPU; every timing
 synchronises the device (`bench.best_seconds`).
 """
@@ -48,7 +48,7 @@ def run(device: str = "cuda", small: bool = False) -> None:
     """Every measurement of this module on `device`; `small`: tiny shapes (seconds)."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("bench gpu: no CUDA device here; run with --device cpu --small")
+        raise ValueError("bench gpu: no CUDA device here; run with --device cpu --quick")
     shape = SHAPES["small" if small else "llama3.1-8b"]
     hf_vs_cpu(device, shape)
     supervision(device, shape)

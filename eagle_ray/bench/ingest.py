@@ -143,8 +143,9 @@ def run(model_path: str, sizes: tuple[int, ...] = (10_000, 100_000), consumers: 
             emit("ingest", "driver_peak_rss_growth", rss.growth_mb, "MiB", conversations=size)
             sample = [row for r in results for row in r["sample"]]
     smallest, largest = min(sizes), max(sizes)
-    emit("ingest", "driver_peak_rss_growth_ratio", peaks[largest] / max(peaks[smallest], 1.0),
-         "ratio", baseline=f"{smallest} conversations", conversations=largest,
+    growth = peaks[largest] / max(peaks[smallest], 1.0)
+    emit("ingest", "driver_peak_rss_growth_ratio", growth, "ratio",
+         baseline=f"{smallest} conversations", ratio=round(growth, 3), conversations=largest,
          note=f"1.0 = flat; the dataset grew {largest / smallest:.0f}x")
     budget = list(token_budget_micro_batches(sample, MAX_TOKENS, MAX_ROWS, WINDOW))
     fixed = make_micro_batches(sample, MAX_ROWS)
@@ -153,6 +154,7 @@ def run(model_path: str, sizes: tuple[int, ...] = (10_000, 100_000), consumers: 
          micro_batches=len(budget))
     emit("ingest", "padding_share_fixed_rows", fixed_padding, "share", rows=len(sample),
          micro_batches=len(fixed))
-    emit("ingest", "padding_ratio", budget_padding / fixed_padding, "ratio",
-         baseline="fixed rows per micro-batch (shuffled)")
+    padding_ratio = budget_padding / fixed_padding
+    emit("ingest", "padding_ratio", padding_ratio, "ratio",
+         baseline="fixed rows per micro-batch (shuffled)", ratio=round(padding_ratio, 3))
     ray.shutdown()

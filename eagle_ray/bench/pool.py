@@ -196,11 +196,13 @@ def _router_round(pool: TargetPool, n: int, per_call: int, count: int) -> dict:
     # Every client started and warm before any streams: 16 processes importing torch on a small
     # machine would otherwise be measured along with the router.
     ray.get([a.warm_up.remote() for a in actors])
+    # The router's counters and CPU are read before any client streams and after all are done:
+    # the window holds exactly the micro-batches divided by below.
+    before = pool.status()
+    router_cpu = psutil.Process(before["router"]["pid"]).cpu_times()
     start_at = time.time() + 0.5
     runs = [a.run.remote(count, start_at) for a in actors]
     time.sleep(max(0.0, start_at - time.time()) + 0.5)
-    before = pool.status()
-    router_cpu = psutil.Process(before["router"]["pid"]).cpu_times()
     latencies = []
     for i in range(200):
         t0 = time.perf_counter()

@@ -65,7 +65,9 @@ class SoakClient:
                 micro_batch_id, result = client.next_result()
             except MicroBatchFailed:
                 continue  # counted as lost below: its inputs stay in `inputs`
-            counts["duplicated"] += micro_batch_id in seen
+            if micro_batch_id in seen:  # delivered twice: counted, never checked again
+                counts["duplicated"] += 1
+                continue
             seen.add(micro_batch_id)
             ids, attention, _ = inputs.pop(micro_batch_id)
             reference = synthetic_aux_states(ids, HIDDEN) * attention.unsqueeze(-1)

@@ -88,10 +88,11 @@ def run(model_path: str, steps: int = 20, rounds: int = 3, batch: int = 8, seq: 
     }
     results: dict[str, list[tuple[float, float]]] = {path: [] for path in sources}
     try:
+        warm = min(3, steps)
         for source in sources.values():  # warm-up: engines, caches, the draft's kernels
             torch.manual_seed(0)
             _train(Eagle3Draft(draft_config, embedding), head, vocab,
-                   source(micro_batches[:3]), 3)
+                   source(micro_batches[:warm]), warm)
         for _ in range(rounds):  # interleaved
             for path, source in sources.items():
                 torch.manual_seed(0)

@@ -1,0 +1,47 @@
+"""Every `eagle-ray bench` subcommand runs in CI in its quick mode (`--quick`: the smallest sizes
+that run all of its code), so a benchmark cannot break unnoticed; what is checked is the shape of
+its JSON lines, never the figures (performance lives in the full runs, README "Benchmarks")."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle_ray.bench import BENCHMARKS
+
+pytestmark = pytest.mark.slow
+
+EAGLE_RAY = str(Path(sys.executable).parent / "eagle-ray")
+
+
+def result_lines(stdout: str) -> list[dict]:
+    """The benchmark's result lines, each checked for the fields every line carries."""
+    records = [json.loads(line) for line in stdout.splitlines()]
+    for record in records:
+        assert {"bench", "metric", "value", "unit"} <= set(record), record
+        assert isinstance(record["value"], int | float) and math.isfinite(record["value"]), record
+        if "baseline" in record:  # a comparison carries its ratio, measured in the same run
+            assert isinstance(record["ratio"], int | float), record
+    return records
+
+
+def test_result_lines_are_checked_for_their_fields():
+    """The control: a line without a unit, or with a non-numeric value, fails the check."""
+    result_lines('{"bench": "b", "metric": "m", "value": 1.5, "unit": "s"}')
+    for broken in ('{"bench": "b", "metric": "m", "value": 1.5}',
+                   '{"bench": "b", "metric": "m", "value": "fast", "unit": "s"}',
+                   '{"bench": "b", "metric": "m", "value": 1, "unit": "s", "baseline": "x"}'):
+        with pytest.raises((AssertionError, KeyError)):
+            result_lines(broken)
+
+
+@pytest.mark.parametrize("which", sorted(set(BENCHMARKS) - {"gpu"}))  # gpu: test_bench_gpu
+def test_every_benchmark_runs_in_quick_mode(which):
+    done = subprocess.run([EAGLE_RAY, "bench", which, "--quick"], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = result_lines(done.stdout)
+    assert records, f"bench {which} printed no result"
