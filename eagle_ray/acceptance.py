@@ -28,10 +28,15 @@ Answerer = Callable[[list[int], list[list[int]]], list[list[int]]]
 
 
 @dataclasses.dataclass
-class PromptTally:
-    """One prompt's verify steps, by how many draft tokens each accepted (`histogram[j]`)."""
+class AcceptanceTally:
+    """Verify steps by how many draft tokens each accepted (`histogram[j]`, j = 0..k): one
+    prompt's (vLLM's per-request counters), or a whole measurement's (the simulation)."""
 
     histogram: list[int]
+
+    @classmethod
+    def empty(cls, k: int) -> AcceptanceTally:
+        return cls([0] * (k + 1))
 
     @property
     def steps(self) -> int:
@@ -45,27 +50,37 @@ class PromptTally:
         for j, count in enumerate(histogram):
             self.histogram[j] += count
 
+    def record(self, accepted: int) -> None:
+        """One verify step that accepted `accepted` draft tokens."""
+        self.histogram[accepted] += 1
 
-def summarise(tallies: Sequence[PromptTally], k: int, bootstrap_samples: int = 1000,
+    def length(self) -> float:
+        """1 + accepted / verify steps (vLLM's definition); NaN before any step."""
+        return 1 + self.accepted / self.steps if self.steps else float("nan")
+
+    def per_position(self) -> list[float]:
+        """Per draft position, the share of verify steps that accepted it."""
+        steps = self.steps
+        return [sum(self.histogram[j + 1:]) / steps if steps else float("nan")
+                for j in range(len(self.histogram) - 1)]
+
+
+def summarise(tallies: Sequence[AcceptanceTally], k: int, bootstrap_samples: int = 1000,
               seed: int = 0) -> dict[str, Any]:
     """Pooled acceptance length over prompts, its 95 % bootstrap interval (prompts resampled
     with replacement), and per draft position the share of verify steps that accepted it."""
+    pooled = AcceptanceTally.empty(k)
+    for tally in tallies:
+        pooled.add(tally.histogram)
     steps = np.array([t.steps for t in tallies], dtype=np.float64)
     accepted = np.array([t.accepted for t in tallies], dtype=np.float64)
-    histogram = np.array([t.histogram for t in tallies], dtype=np.int64).reshape(len(tallies),
-                                                                                  k + 1)
-    total_steps = steps.sum()
     result: dict[str, Any] = {
-        "prompts": len(tallies), "verify_steps": int(total_steps),
-        "accepted_tokens": int(accepted.sum()),
-        "mean_acceptance_length": float(1 + accepted.sum() / total_steps)
-        if total_steps else float("nan"),
+        "prompts": len(tallies), "verify_steps": pooled.steps,
+        "accepted_tokens": pooled.accepted, "mean_acceptance_length": pooled.length(),
         "interval_95": [float("nan"), float("nan")],
-        "acceptance_per_position": [
-            float(histogram[:, j + 1:].sum() / total_steps) if total_steps else float("nan")
-            for j in range(k)],
+        "acceptance_per_position": pooled.per_position(),
     }
-    if total_steps and len(tallies) > 1:
+    if pooled.steps and len(tallies) > 1:
         picks = np.random.default_rng(seed).integers(0, len(tallies),
                                                       (bootstrap_samples, len(tallies)))
         resampled_steps = steps[picks].sum(1)
@@ -91,11 +106,12 @@ def answer_turn_by_turn(prompts: Sequence[EvalPrompt], tokenizer, answer: Answer
         for i, prompt in enumerate(prompts):
             if turn >= len(prompt.turns) or i in failed:
                 continue
-            ids = prompt_for_turn(tokenizer, prompt.messages_for_turn(turn, answers[i]),
-                                  2 * turn + 1 + len(prompt.context))
+            messages = prompt.messages_for_turn(turn, answers[i])
+            ids = prompt_for_turn(tokenizer, messages, len(messages))
             if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-                failed[i] = (f"turn {turn + 1} is {len(ids)} tokens, more than the engine's "
-                             f"{max_prompt_tokens} (raise eval.max_model_len)")
+                failed[i] = (f"turn {turn + 1} is {len(ids)} tokens, more than the "
+                             f"{max_prompt_tokens} the engine leaves before an answer of "
+                             f"eval.max_new_tokens (lower it, or shorten the prompt)")
                 continue
             batch.append((i, ids))
         if not batch:
@@ -124,9 +140,9 @@ def vllm_acceptance_table(
     with why), and at temperature 0 the share of answers equal to `reference`'s (the target's
     greedy answers without speculation; speculation must not change them)."""
     rows = []
+    max_model_len = _max_model_len(model_path, prompts, tokenizer, max_new_tokens)
     for k in ks:
-        with _spec_engine(model_path, draft_dir, k, dtype, engine_kwargs,
-                          _max_model_len(model_path, prompts, tokenizer, max_new_tokens)) as llm:
+        with _spec_engine(model_path, draft_dir, k, dtype, engine_kwargs, max_model_len) as llm:
             for temperature in temperatures:
                 rows.append(_measure(llm, prompts, tokenizer, k, temperature, max_new_tokens,
                                      stop_token_ids, reference, bootstrap_samples, seed))
@@ -144,7 +160,7 @@ def _measure(llm, prompts: Sequence[EvalPrompt], tokenizer, k: int, temperature:
 
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed,
                             stop_token_ids=list(stop_token_ids), detokenize=False)
-    tallies = [PromptTally([0] * (k + 1)) for _ in prompts]
+    tallies = [AcceptanceTally.empty(k) for _ in prompts]
     greedy_equal: list[bool] = []
 
     def answer(owners: list[int], batch: list[list[int]]) -> list[list[int]]:
@@ -178,11 +194,12 @@ def _max_model_len(model_path: str, prompts: Sequence[EvalPrompt], tokenizer,
     the checkpoint's 131,072 positions a Llama-3.1 would claim (`eagle_ray.engine_sizing`)."""
     from transformers import AutoConfig
 
-    longest = max(
-        len(prompt_for_turn(tokenizer, p.messages_for_turn(len(p.turns) - 1,
-                                                           [""] * len(p.turns)),
-                            2 * len(p.turns) - 1 + len(p.context)))
-        + len(p.turns) * (max_new_tokens + TEMPLATE_TOKENS_PER_TURN) for p in prompts)
+    def rendered(prompt: EvalPrompt) -> int:  # every turn, each answer empty
+        messages = prompt.messages_for_turn(len(prompt.turns) - 1, [""] * len(prompt.turns))
+        return len(prompt_for_turn(tokenizer, messages, len(messages)))
+
+    longest = max(rendered(p) + len(p.turns) * (max_new_tokens + TEMPLATE_TOKENS_PER_TURN)
+                  for p in prompts)
     positions = AutoConfig.from_pretrained(model_path).get_text_config().max_position_embeddings
     return min(longest + 1, positions)
 
@@ -194,7 +211,7 @@ def _spec_engine(model_path: str, draft_dir: str | Path, k: int, dtype: str,
     per-request acceptance counters."""
     from vllm.platforms import current_platform
 
-    from eagle_ray.tokenizer_files import has_tokenizer_files, tokenizer_path
+    from eagle_ray.tokenizer_files import serves_without_tokenizer
     from eagle_ray.vllm_runner import CPU_DEFAULTS, GPU_DEFAULTS, build_llm
 
     kwargs = {**(CPU_DEFAULTS if current_platform.is_cpu() else GPU_DEFAULTS),
@@ -202,7 +219,7 @@ def _spec_engine(model_path: str, draft_dir: str | Path, k: int, dtype: str,
     with native_output_to_log():
         llm = build_llm({
             **kwargs, "model": model_path, "dtype": dtype, "max_model_len": max_model_len,
-            "skip_tokenizer_init": not has_tokenizer_files(tokenizer_path(model_path, kwargs)),
+            "skip_tokenizer_init": serves_without_tokenizer(model_path, kwargs),
             "speculative_config": speculative_config(draft_dir, k),
             "per_request_spec_decode_metrics": "summary"}, multiprocess=True)
     try:

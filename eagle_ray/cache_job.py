@@ -15,7 +15,7 @@ from typing import Any
 
 from eagle_ray.config import ClientConfig, ConfigError, JobConfig
 from eagle_ray.supervision_cache import SHARD_BYTES, SupervisionCacheWriter
-from eagle_ray.tokenizer_files import load_tokenizer, tokenizer_path
+from eagle_ray.tokenizer_files import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +41,9 @@ def run_cache(config: JobConfig, log_to_driver: bool = True,
     with job_pool(config) as (pool, served):
         writer = SupervisionCacheWriter(config.data.supervision_cache, served,
                                         config.target.encoding_dtype, shard_bytes)
-        tokenizer_at = tokenizer_path(config.target.model_path or served.model_path,
-                                      config.target.vllm_kwargs)
-        tokenizer = load_tokenizer(tokenizer_at, "eagle-ray cache (it renders the chat data)")
+        tokenizer_at, tokenizer = load_tokenizer(
+            config.target.model_path or served.model_path, config.target.vllm_kwargs,
+            "eagle-ray cache (it renders the chat data)")
         data = prepare_job_data(config, served, tokenizer_at, tokenizer,
                                 pool.client(ClientConfig(max_inflight_micro_batches=16)),
                                 output_dir)

@@ -122,7 +122,7 @@ def _regenerate(args: argparse.Namespace) -> int:
     from eagle_ray.config import JobConfig, RegenerateConfig, load_yaml
     from eagle_ray.regenerate import regenerate_file
     from eagle_ray.target_runner import Sampling
-    from eagle_ray.tokenizer_files import load_tokenizer, tokenizer_path
+    from eagle_ray.tokenizer_files import load_tokenizer
     from eagle_ray.train import check_paths, init_ray, job_pool
 
     sampling_keys = {f.name for f in dataclasses.fields(RegenerateConfig)}
@@ -136,8 +136,8 @@ def _regenerate(args: argparse.Namespace) -> int:
     # The pool's engines are sized for regeneration's prompts and answers too.
     regenerating = dataclasses.replace(job, regenerate=dataclasses.replace(settings, enabled=True))
     with job_pool(regenerating) as (pool, served):
-        tokenizer = load_tokenizer(
-            tokenizer_path(job.target.model_path or served.model_path, job.target.vllm_kwargs),
+        _, tokenizer = load_tokenizer(
+            job.target.model_path or served.model_path, job.target.vllm_kwargs,
             "eagle-ray regenerate (it renders the prompts and reads the answers)")
         report = regenerate_file(
             pool.client(), tokenizer, args.input, args.output,
@@ -160,7 +160,7 @@ def _eval(args: argparse.Namespace) -> int:
     from eagle_ray.evaluate import evaluate_draft, evaluation_prompts
     from eagle_ray.ingest import held_out, read_chats
     from eagle_ray.report import format_summary
-    from eagle_ray.tokenizer_files import load_tokenizer, tokenizer_path
+    from eagle_ray.tokenizer_files import load_tokenizer
     from eagle_ray.train import eval_engine_kwargs
 
     overrides = args.overrides + ([f"eval.prompts_file={args.prompts}"] if args.prompts else [])
@@ -168,8 +168,8 @@ def _eval(args: argparse.Namespace) -> int:
         else from_dict(JobConfig, apply_overrides({}, overrides))
     _job_console(job, args.verbose)
     model_path = job.target.model_path or exported_target(args.draft).model_path
-    tokenizer = load_tokenizer(tokenizer_path(model_path, job.target.vllm_kwargs),
-                               "eagle-ray eval (it renders the prompts)")
+    _, tokenizer = load_tokenizer(model_path, job.target.vllm_kwargs,
+                                  "eagle-ray eval (it renders the prompts)")
     data = job.data  # its held-out conversations, unless the prompts come from a file
     conversations = [] if job.eval.prompts_file else held_out(
         read_chats(data.path, data.num_samples, data.cpus_per_task), data.eval_samples)

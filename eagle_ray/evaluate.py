@@ -93,9 +93,9 @@ def evaluate_draft(model_path: str, draft_dir: str | Path, prompts: EvalPrompts,
                    eval_config: EvalConfig, engine_kwargs: dict[str, Any] | None = None,
                    ) -> dict[str, Any]:
     """Acceptance of the exported draft: vLLM serving it at every k and temperature of
-    `eval_config` (`eagle_ray.acceptance`), and, side by side at temperature 0, the project's
-    own simulation of the trained and of an untrained draft on the same turns; on the target the
-    draft was exported for (its aux layer ids), loaded from `model_path`."""
+    `eval_config` (`eagle_ray.acceptance`), and, side by side at the same settings, the
+    project's own simulation of the trained and of an untrained draft on the same turns; on the
+    target the draft was exported for (its aux layer ids), loaded from `model_path`."""
     from eagle_ray.draft.export import exported_target, exported_ttt_steps
 
     check_eval_settings(eval_config, exported_ttt_steps(draft_dir),
@@ -110,8 +110,9 @@ def evaluate_draft(model_path: str, draft_dir: str | Path, prompts: EvalPrompts,
     n = eval_config.max_new_tokens
     stops = stop_token_ids(tokenizer)  # answers end at the chat's end-of-turn token
     greedy = GreedyAnswers(target, n, stops)
-    turns, failed = answer_turn_by_turn(prompts.prompts, tokenizer, greedy,
-                                        target.max_length - n)
+    turns, failed = answer_turn_by_turn(
+        prompts.prompts, tokenizer, greedy,
+        None if target.max_length is None else target.max_length - n)
     turn_prompts = [ids for prompt_turns in turns for ids in prompt_turns]
     report: dict[str, Any] = {
         "prompts": len(prompts.prompts), "turns": len(turn_prompts),

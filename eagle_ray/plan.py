@@ -71,21 +71,22 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float = 80.0,
     bf16 = job.train.precision in ("auto", "bf16")  # on a GPU with bf16, as recipes assume
     trainer = trainer_memory(draft_config, rows, seq, job.train.ttt_steps, target_dtype, bf16,
                              ddp=job.train.workers > 1)
-    replica, kv_tokens = replica_memory(target_config, target_dtype, job.target.tp_size,
-                                        job.target.vllm_kwargs, gpu_memory_gib)
+    parameters, active_parameters = parameter_counts(target_config)
+    replica, kv_tokens = replica_memory(target_config, parameters, target_dtype,
+                                        job.target.tp_size, job.target.vllm_kwargs,
+                                        gpu_memory_gib)
     hidden = text.hidden_size
     if job.target.encoding_dtype == "fp8":
         per_token = (NUM_AUX_LAYERS + 1) * hidden + 4 * (NUM_AUX_LAYERS + 1)
     else:
         per_token = (NUM_AUX_LAYERS + 1) * hidden * target_dtype.itemsize
     flops = mfu * gpu_tflops * 1e12
-    target_params = _active_parameter_count(target_config)
     draft_trainable = sum(p.numel() for p in _meta_draft(draft_config).parameters()
                           if p.requires_grad)
     # Prefill: 2 FLOPs per parameter a token passes through (a mixture of experts' active ones).
     # Training: 6 per trainable draft parameter per token per TTT step, plus the target head's
     # decoding (2 x H x V).
-    replica_rate = flops * job.target.tp_size / (2 * target_params)
+    replica_rate = flops * job.target.tp_size / (2 * active_parameters)
     trainer_rate = flops / (6 * draft_trainable * job.train.ttt_steps
                             + 2 * hidden * text.vocab_size)
     return Plan(trainer=trainer, replica=replica, kv_cache_tokens=kv_tokens,
@@ -140,14 +141,16 @@ def trainer_memory(config: DraftConfig, rows: int, seq: int, ttt_steps: int,
     return {**parts, "total": sum(parts.values())}
 
 
-def replica_memory(target_config, dtype: torch.dtype, tp_size: int, vllm_kwargs: dict[str, Any],
-                   gpu_memory_gib: float) -> tuple[dict[str, int], int]:
-    """Bytes per tensor-parallel rank of a replica, and the tokens its KV cache holds: vLLM
-    takes `gpu_memory_utilization` of the GPU and gives what the weights leave to the cache."""
+def replica_memory(target_config, parameters: int, dtype: torch.dtype, tp_size: int,
+                   vllm_kwargs: dict[str, Any], gpu_memory_gib: float
+                   ) -> tuple[dict[str, int], int]:
+    """Bytes per tensor-parallel rank of a replica holding `parameters`, and the tokens its KV
+    cache holds: vLLM takes `gpu_memory_utilization` of the GPU and gives what the weights
+    leave to the cache."""
     text = target_config.get_text_config()
     utilisation = float(vllm_kwargs.get("gpu_memory_utilization", 0.85))
     budget = int(utilisation * gpu_memory_gib * GIB)
-    weights = _parameter_count(target_config) * dtype.itemsize // tp_size
+    weights = parameters * dtype.itemsize // tp_size
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", text.num_attention_heads)
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize // tp_size
@@ -170,28 +173,24 @@ def _meta_draft(config: DraftConfig) -> Eagle3Draft:
         return Eagle3Draft(config)
 
 
-def _meta_target(target_config):
+def parameter_counts(target_config) -> tuple[int, int]:
+    """(every parameter: what a replica holds, the parameters one token passes through), from
+    one skeleton on the meta device: a mixture of experts' routed experts count
+    `num_experts_per_tok` of their number in the second (shared experts and routers in full)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(target_config)
-
-
-def _parameter_count(target_config) -> int:
-    """Every parameter: what a replica holds."""
-    return sum(p.numel() for p in _meta_target(target_config).parameters())
-
-
-def _active_parameter_count(target_config) -> int:
-    """The parameters one token passes through: a mixture of experts' routed experts count
-    `num_experts_per_tok` of their number (shared experts and routers count in full)."""
+        model = AutoModelForCausalLM.from_config(target_config)
     text = target_config.get_text_config()
     experts = next((getattr(text, name) for name in ("num_experts", "num_local_experts",
                                                      "n_routed_experts")
                     if getattr(text, name, None)), None)
     share = text.num_experts_per_tok / experts if experts else 1.0
-    return int(sum(p.numel() * (share if ".experts." in name else 1.0)
-                   for name, p in _meta_target(target_config).named_parameters()))
+    total, active = 0, 0.0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        active += p.numel() * (share if ".experts." in name else 1.0)
+    return total, int(active)
 
 
 def _dtype(name: str, text_config) -> torch.dtype:

@@ -70,8 +70,9 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
         lines.append(_row("greedy output unchanged", [
             f"{r['greedy_equal_fraction']:.0%}" if "greedy_equal_fraction" in r else "-"
             for r in measured], width))
-    problems = {"failed prompts": report.get("failed_prompts", 0)
-                + max((r.get("failed", 0) for r in measured), default=0),
+    # A prompt that fails does so before either measurement sends it: the most of any row.
+    problems = {"failed prompts": max([report.get("failed_prompts", 0),
+                                       *(r.get("failed", 0) for r in measured)]),
                 "unreadable lines": sum((report.get("skipped_lines") or {}).values())}
     if any(problems.values()):
         lines.append("    " + ", ".join(f"{count} {what}" for what, count in problems.items()))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from eagle_ray.acceptance import AcceptanceTally
 from eagle_ray.draft.model import Eagle3Draft, shift_left
 from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.supervision import DraftVocab
@@ -34,23 +35,6 @@ def draft_chain(draft: Eagle3Draft, vocab: DraftVocab, aux_hidden_states: torch.
     return drafted
 
 
-class Tally:
-    """Verify steps, accepted tokens, and per draft position the steps that accepted it."""
-
-    def __init__(self, k: int) -> None:
-        self.steps, self.accepted, self.per_position = 0, 0, [0] * k
-
-    def add(self, accepted: int) -> None:
-        self.steps += 1
-        self.accepted += accepted
-        for position in range(accepted):
-            self.per_position[position] += 1
-
-    def result(self) -> tuple[float, list[float]]:
-        steps = max(self.steps, 1)
-        return 1 + self.accepted / steps, [count / steps for count in self.per_position]
-
-
 @torch.inference_mode()
 def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,
                         prompts: list[list[int]], continuations: list[list[int]], k: int
@@ -58,7 +42,7 @@ def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: 
     """Greedy: mean acceptance length over each prompt's greedy continuation (up to its
     end-of-turn token, as vLLM stops there), and the share accepted per draft position."""
     head = target.get_target_head()
-    tally = Tally(k)
+    tally = AcceptanceTally.empty(k)
     for prompt, continuation in zip(prompts, continuations, strict=True):
         seq, produced = list(prompt), 0
         while produced < len(continuation):
@@ -74,8 +58,8 @@ def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: 
                 accepted += 1
             seq += [next_token] + drafted[:accepted]
             produced += 1 + accepted
-            tally.add(accepted)
-    return tally.result()
+            tally.record(accepted)
+    return tally.length(), tally.per_position()
 
 
 @torch.inference_mode()
@@ -89,7 +73,7 @@ def simulate_sampled_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft,
     head = target.get_target_head()
     generator = torch.Generator().manual_seed(seed)
     stops = set(stop_token_ids)
-    tally = Tally(k)
+    tally = AcceptanceTally.empty(k)
 
     def distribution(hidden: torch.Tensor) -> torch.Tensor:
         return torch.softmax(head(hidden).float() / temperature, dim=-1)
@@ -119,11 +103,11 @@ def simulate_sampled_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft,
                 if token in stops:
                     break
             kept = [next_token] + drafted[:accepted]
-            tally.add(accepted)
+            tally.record(accepted)
             seq += kept
             produced += len(kept)
             aux = out.aux_hidden_states[:, :len(seq)]
             if stops & set(kept):
                 break
             next_token = following if following is not None else sample(probs[k])
-    return tally.result()
+    return tally.length(), tally.per_position()

@@ -27,18 +27,30 @@ def tokenizer_path(model_path: str | Path, vllm_kwargs: Mapping[str, Any] | None
     return str((vllm_kwargs or {}).get("tokenizer") or model_path)
 
 
-def check_tokenizer(path: str | Path, needed_for: str) -> None:
-    """A clear error, before anything starts, when `path` has no tokenizer files."""
+def serves_without_tokenizer(model_path: str | Path,
+                             vllm_kwargs: Mapping[str, Any] | None = None) -> bool:
+    """Whether a vLLM engine for this target starts with `skip_tokenizer_init` (no tokenizer
+    files where `tokenizer_path` points)."""
+    return not has_tokenizer_files(tokenizer_path(model_path, vllm_kwargs))
+
+
+def check_tokenizer(model_path: str | Path, vllm_kwargs: Mapping[str, Any] | None,
+                    needed_for: str) -> str:
+    """The target's tokenizer folder; a clear error, before anything starts, when it has no
+    tokenizer files."""
+    path = tokenizer_path(model_path, vllm_kwargs)
     if not has_tokenizer_files(path):
         raise ConfigError(
-            f"{str(path)!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), and "
+            f"{path!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), and "
             f"{needed_for} needs the target's tokenizer: copy its tokenizer files into the "
             f"folder, or set target.vllm_kwargs.tokenizer to a folder that has them")
+    return path
 
 
-def load_tokenizer(path: str | Path, needed_for: str):
-    """`AutoTokenizer.from_pretrained(path)`, after `check_tokenizer`."""
+def load_tokenizer(model_path: str | Path, vllm_kwargs: Mapping[str, Any] | None,
+                   needed_for: str) -> tuple[str, Any]:
+    """(the tokenizer's folder, the tokenizer), after `check_tokenizer`."""
     from transformers import AutoTokenizer
 
-    check_tokenizer(path, needed_for)
-    return AutoTokenizer.from_pretrained(path)
+    path = check_tokenizer(model_path, vllm_kwargs, needed_for)
+    return path, AutoTokenizer.from_pretrained(path)

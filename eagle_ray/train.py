@@ -26,7 +26,7 @@ from eagle_ray.identity import TargetIdentity
 from eagle_ray.report import serve_command, write_report_png
 from eagle_ray.run_record import check_resumable, check_resumed_target, run_record
 from eagle_ray.supervision_cache import SupervisionCache
-from eagle_ray.tokenizer_files import check_tokenizer, load_tokenizer, tokenizer_path
+from eagle_ray.tokenizer_files import check_tokenizer, load_tokenizer
 from eagle_ray.train_loop import train_loop_per_worker
 
 logger = logging.getLogger(__name__)
@@ -81,8 +81,8 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
         check_resumed_target(resumed, served)
         # A path the job names (its own mount of the same checkpoint) wins over the pool's.
         model_path = config.target.model_path or served.model_path
-        tokenizer_at = tokenizer_path(model_path, config.target.vllm_kwargs)
-        tokenizer = load_tokenizer(tokenizer_at, "the job (it renders the chat data)")
+        tokenizer_at, tokenizer = load_tokenizer(model_path, config.target.vllm_kwargs,
+                                                 "the job (it renders the chat data)")
         data = cached_job_data(config, cache) if cache else prepare_job_data(
             config, served, tokenizer_at, tokenizer,
             pool.client(ClientConfig(max_inflight_micro_batches=16)), output_dir)
@@ -225,7 +225,7 @@ def check_paths(config: JobConfig) -> None:
                           f"config.json); pass a local HF checkpoint, or null for the tiny "
                           f"built-in target")
     if model_path is not None:
-        check_tokenizer(tokenizer_path(model_path, config.target.vllm_kwargs),
+        check_tokenizer(model_path, config.target.vllm_kwargs,
                         "the job (it renders the chat data)")
         check_aux_layer_ids(config)
     paths = [config.data.path] if isinstance(config.data.path, str) else config.data.path or []

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from eagle_ray.target_runner import RunnerOutput, Sampling, TargetRunner
-from eagle_ray.tokenizer_files import has_tokenizer_files, tokenizer_path
+from eagle_ray.tokenizer_files import serves_without_tokenizer
 from eagle_ray.vllm_handoff import (
     CAPTURE_ARG,
     PARAMS_KEY,
@@ -172,7 +172,7 @@ class VLLMTargetRunner(TargetRunner):
             # Prompts stay token ids and outputs are not detokenised, so a weights-only folder
             # serves as it is; with a tokenizer (the checkpoint's, or vllm_kwargs["tokenizer"])
             # vLLM's `LLM` warms a chat template with it (without one, it logs a traceback).
-            skip_tokenizer_init=not has_tokenizer_files(tokenizer_path(model_path, vllm_kwargs)),
+            skip_tokenizer_init=serves_without_tokenizer(model_path, vllm_kwargs),
             speculative_config={
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,

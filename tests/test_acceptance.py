@@ -8,15 +8,15 @@ import math
 import pytest
 import ray
 
-from eagle_ray.acceptance import PromptTally, answer_turn_by_turn, summarise
+from eagle_ray.acceptance import AcceptanceTally, answer_turn_by_turn, summarise
 from eagle_ray.config import ConfigError, EvalConfig, JobConfig, from_dict
 from eagle_ray.eval_prompts import EvalPrompt, read_eval_prompts
 from eagle_ray.evaluate import check_eval_settings
 from eagle_ray.train import run_job
 
 
-def tally(*histogram: int) -> PromptTally:
-    return PromptTally(list(histogram))
+def tally(*histogram: int) -> AcceptanceTally:
+    return AcceptanceTally(list(histogram))
 
 
 def test_the_pooled_length_and_per_position_shares_come_from_the_histograms():
@@ -88,7 +88,8 @@ def test_turns_are_answered_in_order_each_answer_joining_the_next_turn(family_to
 
     sent, failed = answer_turn_by_turn(prompts, tokenizer, answer, max_prompt_tokens=200)
     assert calls == [[0, 1], [0]], "turn 1 of every prompt in one batch, then turn 2"
-    assert list(failed) == [2] and "more than the engine's 200" in failed[2]
+    assert list(failed) == [2]
+    assert "more than the 200" in failed[2] and "eval.max_new_tokens" in failed[2]
     second_turn = tokenizer.decode(sent[0][1])
     assert "What is one plus two?" in second_turn and "answer 0" in second_turn
     assert "And plus three?" in second_turn and len(sent[1]) == 1 and sent[2] == []

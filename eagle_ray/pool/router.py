@@ -154,6 +154,8 @@ class PoolRouter:
             replica.restarts += 1
             self._metrics.restarts.inc(tags=self._metrics.replica(replica.name))
         replica.pid, replica.node_id, replica.info = info["pid"], info["node_id"], info
+        if replica.state is ReplicaState.FAILED:
+            return  # it stays so (the health rounds probe it like the others)
         if "startup_error" in info:  # its backend could not be built: no leases, no retries
             replica.state = ReplicaState.FAILED
             logger.error("replica %s failed to start: %s", replica.name, info["startup_error"])
