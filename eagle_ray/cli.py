@@ -240,7 +240,9 @@ def _bench(args: argparse.Namespace) -> int:
     from eagle_ray import bench
     from eagle_ray.tiny import tiny_target
 
-    bench.run(args.which, str(tiny_target(args.arch)), args)
+    saved = bench.run(args.which, str(tiny_target(args.arch)), args)
+    if saved is not None:
+        logger.info("saved the results to %s", saved)
     return 0
 
 
@@ -328,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="cuda", help="gpu: the device measured (cuda, cpu)")
     bench.add_argument("--quick", action="store_true", help="the smallest sizes that run all of "
                        "its code (CI; gpu: tiny shapes instead of Llama-3.1-8B's)")
+    bench.add_argument("--save", nargs="?", const="benchmarks/results", default=None,
+                       metavar="DIR", help="keep the results as a file under DIR/<which>/")
     return parser
 
 

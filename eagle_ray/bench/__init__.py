@@ -15,12 +15,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TextIO
 
 NAMESPACE = "eagle_ray_bench"  # every benchmark's pool lives here
 SYNTHETIC = "eagle_ray.testing:fixed_latency_target"  # the fixed-latency backend
 
 _results: TextIO | None = None  # the original stdout while `results_only_on_stdout` holds
+_saved: list[dict] | None = None  # every line emitted while `run` saves them (`--save`)
 
 
 def emit(bench: str, metric: str, value: float, unit: str, **extra) -> dict:
@@ -29,6 +31,8 @@ def emit(bench: str, metric: str, value: float, unit: str, **extra) -> dict:
     out = _results or sys.stdout
     out.write(json.dumps(record) + "\n")
     out.flush()
+    if _saved is not None:
+        _saved.append(record)
     return record
 
 
@@ -110,16 +114,28 @@ QUICK: dict[str, dict[str, Any]] = {
 }
 
 
-def run(which: str, model_path: str, options: Any) -> None:
+def run(which: str, model_path: str, options: Any) -> Path | None:
     """Run benchmark `which` (a key of `BENCHMARKS`) on the tiny target at `model_path`
-    (`options.quick`: at `QUICK`'s sizes)."""
+    (`options.quick`: at `QUICK`'s sizes; `options.save`: a folder that keeps the run's lines,
+    returned as the file written — a run that fails keeps nothing)."""
+    global _saved
     module, function, arguments = BENCHMARKS[which]
-    kwargs = {**arguments(model_path, options),
-              **(QUICK.get(which, {}) if getattr(options, "quick", False) else {})}
+    quick = bool(getattr(options, "quick", False))
+    kwargs = {**arguments(model_path, options), **(QUICK.get(which, {}) if quick else {})}
+    save_to = getattr(options, "save", None)
+    _saved = [] if save_to else None
     with results_only_on_stdout():
         try:
             getattr(importlib.import_module(f"eagle_ray.bench.{module}"), function)(**kwargs)
         finally:
+            records, _saved = _saved, None
             ray = sys.modules.get("ray")  # `bench gpu` runs without Ray
             if ray is not None and ray.is_initialized():  # it prints what it held back
                 ray.shutdown()
+    if records is None:
+        return None
+    from eagle_ray.bench import results
+
+    command = ["eagle-ray", "bench", which] + (["--quick"] if quick else [])
+    return results.save(which, records, {"quick": quick, "command": " ".join(command)},
+                        Path(save_to))

@@ -1,0 +1,68 @@
+"""Benchmark results as files (`eagle-ray bench NAME --save`) and the tables generated from them
+(docs/benchmarks.md): a figure is the median of the saved runs, a ratio needs three of them."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle_ray.bench import tables
+from eagle_ray.bench.results import load, save
+
+EAGLE_RAY = str(Path(sys.executable).parent / "eagle-ray")
+
+
+def test_a_saved_run_is_its_result_lines_with_commit_machine_and_date(tmp_path):
+    done = subprocess.run([EAGLE_RAY, "bench", "encodings", "--save", str(tmp_path)],
+                          capture_output=True, text=True, check=True)
+    [path] = (tmp_path / "encodings").glob("*.jsonl")
+    saved = [json.loads(line) for line in path.read_text().splitlines()]
+    printed = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [{k: r[k] for k in p} for r, p in zip(saved, printed, strict=True)] == printed
+    run = saved[0]
+    assert run["machine"]["cores"] >= 1 and run["machine"]["memory_gib"] > 0
+    assert run["date"].startswith("20") and run["commit"]
+    assert run["options"] == {"quick": False, "command": "eagle-ray bench encodings"}
+    assert str(path) in done.stderr  # the log says where the run went
+
+
+def _run(directory: Path, values: list[float], ratio: bool = True, quick: bool = False) -> None:
+    records = [{"bench": "scaling", "metric": "supervision_tokens_per_s", "value": v,
+                "unit": "tok/s", "replicas": n + 1, "busy": v / 100,
+                **({"baseline": "linear", "ratio": v / values[0]} if ratio else {})}
+               for n, v in enumerate(values)]
+    save("scaling", records, {"quick": quick, "command": "eagle-ray bench scaling"}, directory)
+
+
+def test_a_figure_is_the_median_of_the_runs_with_their_range(tmp_path):
+    for values in ([100, 150], [110, 200], [90, 170]):
+        _run(tmp_path, values)
+    _run(tmp_path, [1, 1], quick=True)  # CI's quick runs are not results
+    assert len(load(tmp_path)["scaling"]) == 3
+    first, second = tables.rows(load(tmp_path)["scaling"])
+    assert first["parameters"] == {"baseline": "linear", "replicas": 1}
+    assert tables.figure(first["values"]) == "100 (90-110)"
+    assert tables.figure(second["ratios"]) == "1.818 (1.5-1.889)"
+    assert second["measured"] == {"busy": [1.5, 2.0, 1.7]}
+    assert "| supervision_tokens_per_s | baseline=linear, replicas=2 | 170 (150-200) |" \
+        in tables.render(tmp_path)
+
+
+def test_a_ratio_from_fewer_than_three_runs_is_not_published(tmp_path):
+    for values in ([100, 150], [110, 200]):
+        _run(tmp_path, values)
+    with pytest.raises(tables.StaleResults, match="at least 3"):
+        tables.render(tmp_path)
+    _run(tmp_path / "plain", [100, 150], ratio=False)  # a figure without a ratio: one run is
+    assert "170" not in tables.render(tmp_path / "plain")  # published as it is
+    assert "| 150 | tok/s |" in tables.render(tmp_path / "plain")
+
+
+def test_runs_whose_lines_do_not_match_are_refused(tmp_path):
+    _run(tmp_path, [100, 150])
+    _run(tmp_path, [100, 150])
+    _run(tmp_path, [100])  # a run with other options in the same folder
+    with pytest.raises(tables.StaleResults, match="different options"):
+        tables.render(tmp_path)
