@@ -3,7 +3,7 @@
 VENV ?= .venv
 PYTEST_ARGS ?=
 
-.PHONY: setup run test bench lint
+.PHONY: setup run test bench lint docs
 
 setup:
 	@EAGLE_RAY_VENV=$(VENV) ./scripts/setup_env.sh
@@ -20,3 +20,8 @@ bench: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# The generated references (tests/test_docs.py fails when they are stale).
+docs: setup
+	$(VENV)/bin/python -m eagle_ray.config.reference > docs/configuration.md
+	$(VENV)/bin/python -m eagle_ray.bench.tables > docs/benchmarks.md

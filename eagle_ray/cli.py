@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from eagle_ray.bench import BENCHMARKS
@@ -246,6 +247,10 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+JOB_CONFIG = "job config YAML (keys: docs/configuration.md)"
+Command = Callable[[str, Callable[[argparse.Namespace], int], str], argparse.ArgumentParser]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle-ray", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -257,11 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    def add_pool_target(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
-        p.add_argument("--name", default="eagle_ray_pool", help="pool name")
-        p.add_argument("--namespace", default="eagle_ray", help="Ray namespace of the pool")
+    _add_job_commands(command)
+    _add_pool_commands(command)
+    return parser
 
+
+def _add_job_commands(command: Command) -> None:
+    """The commands around a training job: demo, train, plan, cache, regenerate, eval."""
     demo = command("demo", _demo, "supervision for a few chat samples from the tiny target")
     demo.add_argument("--model", help="target model folder (default: the tiny built-in target)")
     demo.add_argument("--arch", default="llama", choices=["llama", "qwen3"],
@@ -269,12 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=int, default=4, help="chat samples in the micro-batch")
 
     train = command("train", _train, "train an EAGLE-3 draft on Ray Train fed by the pool")
-    train.add_argument("--config", required=True, help="job config YAML (keys: see README)")
+    train.add_argument("--config", required=True, help=JOB_CONFIG)
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. train.steps=50 target.replicas=2")
 
     plan = command("plan", _plan, "per-GPU memory and rates of a job, before it starts")
-    plan.add_argument("--config", required=True, help="job config YAML (keys: see README)")
+    plan.add_argument("--config", required=True, help=JOB_CONFIG)
     plan.add_argument("--target-config", help="the target's config.json or folder, when "
                       "target.model_path is not readable here (e.g. examples/targets/...)")
     plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory (GiB)")
@@ -285,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="config overrides, e.g. data.micro_batch_size=1")
 
     cache = command("cache", _cache, "write the pool's supervision for the job's data to disk")
-    cache.add_argument("--config", required=True, help="job config YAML (keys: see README)")
+    cache.add_argument("--config", required=True, help=JOB_CONFIG)
     cache.add_argument("overrides", nargs="*", metavar="key=value",
                        help="e.g. data.supervision_cache=runs/cache target.encoding_dtype=fp8")
 
@@ -305,8 +312,17 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("overrides", nargs="*", metavar="key=value",
                           help="config overrides, e.g. eval.prompts=16")
 
+
+def _add_pool_commands(command: Command) -> None:
+    """The commands around a running pool (serve, status, shutdown) and the benchmarks."""
+
+    def add_pool_target(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+        p.add_argument("--name", default="eagle_ray_pool", help="pool name")
+        p.add_argument("--namespace", default="eagle_ray", help="Ray namespace of the pool")
+
     serve = command("serve", _serve, "start a detached, shared pool on a running cluster")
-    serve.add_argument("--config", help="pool config YAML (keys: see README)")
+    serve.add_argument("--config", help="pool config YAML (keys: docs/configuration.md)")
     serve.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     serve.add_argument("--allow-insecure", action="store_true",
                        help="serve on a cluster without token authentication")
@@ -320,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_pool_target(command("shutdown", _shutdown, "remove a running pool"))
 
     bench = command("bench", _bench, "benchmarks; print JSON lines")
-    bench.add_argument("which", choices=list(BENCHMARKS), help="which benchmark (see README)")
+    bench.add_argument("which", choices=list(BENCHMARKS),
+                       help="which benchmark (docs/benchmarks.md)")
     bench.add_argument("--arch", default="llama", choices=["llama", "qwen3"],
                        help="tiny target architecture")
     bench.add_argument("--minutes", type=float, default=1.0,
@@ -332,7 +349,6 @@ def build_parser() -> argparse.ArgumentParser:
                        "its code (CI; gpu: tiny shapes instead of Llama-3.1-8B's)")
     bench.add_argument("--save", nargs="?", const="benchmarks/results", default=None,
                        metavar="DIR", help="keep the results as a file under DIR/<which>/")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,8 +79,9 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
     apart = [_setting(r) for r in measured if _setting(r) in by_setting and abs(
         r["mean_acceptance_length"] - by_setting[_setting(r)]["trained"]) > DISAGREEMENT]
     if apart:
-        lines.append(f"    vLLM and the simulation disagree at {'; '.join(apart)} (README, "
-                     f"\"Evaluation\": vLLM's sampled speculative decoding on the CPU build)")
+        lines.append(f"    vLLM and the simulation disagree at {'; '.join(apart)} "
+                     f"(docs/training.md, \"Evaluation\": vLLM's sampled speculative "
+                     f"decoding on the CPU build)")
     series = per_position_series(report)
     if series:
         k = max(len(values) for _, values in series)

@@ -1,5 +1,5 @@
 """The offline supervision cache: a pool's supervision for a dataset, on disk, read back by
-training instead of calling the pool (README, "Supervision cache").
+training instead of calling the pool (docs/training.md, "Supervision cache").
 
 A cache is a folder of safetensors shards and an `index.json` written last (its presence marks a
 complete cache). Each micro-batch `k` is stored as tensors named `<k>.<field>`: the shifted ids

@@ -57,9 +57,6 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
     Order matters: the pool comes first, because what it serves (checkpoint, layers, vocabulary,
     longest row) decides how the data is tokenised and what the export says.
     """
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
     from eagle_ray.console import ProgressBoard, TrainingBar
     from eagle_ray.ingest import prepare_job_data
     from eagle_ray.resources import check_job_resources
@@ -87,41 +84,56 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
             config, served, tokenizer_at, tokenizer,
             pool.client(ClientConfig(max_inflight_micro_batches=16)), output_dir)
         board = ProgressBoard.remote()
-        trainer = TorchTrainer(
-            train_loop_per_worker,
-            train_loop_config={
-                "job": to_dict(config),
-                "model_path": model_path,
-                "target": served.to_dict(),
-                "pad_id": tokenizer.pad_token_id or 0,
-                "draft_to_target": data.vocab.draft_to_target.tolist(),
-                "output_dir": str(output_dir),
-                "progress": board,
-                "run_record": run_record(config, served),
-            },
-            datasets={"train": data.train} if data.train is not None else None,
-            scaling_config=ScalingConfig(
-                num_workers=config.train.workers, use_gpu=config.train.use_gpu,
-                resources_per_worker={"CPU": config.train.cpus_per_worker,
-                                      **({"GPU": 1} if config.train.use_gpu else {}),
-                                      **config.train.worker_resources}),
-            torch_config=TorchConfig(backend="nccl" if config.train.use_gpu else "gloo"),
-            run_config=RunConfig(
-                name=config.run_name,
-                storage_path=config.storage_path or str(output_dir / "ray_results"),
-                failure_config=FailureConfig(
-                    max_failures=config.train.max_failures,
-                    controller_failure_limit=config.train.max_controller_failures)),
-        )
+        trainer = torch_trainer(config, data, output_dir, {
+            "job": to_dict(config),
+            "model_path": model_path,
+            "target": served.to_dict(),
+            "pad_id": tokenizer.pad_token_id or 0,
+            "draft_to_target": data.vocab.draft_to_target.tolist(),
+            "output_dir": str(output_dir),
+            "progress": board,
+            "run_record": run_record(config, served),
+        })
         logger.info("training: %d Ray Train workers, %d steps", config.train.workers,
                     config.train.steps)
         with TrainingBar(board, config.train.steps, start=resumed.step if resumed else 0):
             result = trainer.fit()
         ray.kill(board)
     logger.info("draft exported to %s", output_dir / "draft")
+    return write_summary(config, result.metrics, data, served, model_path, tokenizer, output_dir)
+
+
+def torch_trainer(config: JobConfig, data, output_dir: Path, loop_config: dict[str, Any]):
+    """Ray Train's `TorchTrainer` for the job: its workers, resources, storage and failure
+    handling (bounded, so a worker group that cannot start ends the job)."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    train = config.train
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config,
+        datasets={"train": data.train} if data.train is not None else None,
+        scaling_config=ScalingConfig(
+            num_workers=train.workers, use_gpu=train.use_gpu,
+            resources_per_worker={"CPU": train.cpus_per_worker,
+                                  **({"GPU": 1} if train.use_gpu else {}),
+                                  **train.worker_resources}),
+        torch_config=TorchConfig(backend="nccl" if train.use_gpu else "gloo"),
+        run_config=RunConfig(
+            name=config.run_name,
+            storage_path=config.storage_path or str(output_dir / "ray_results"),
+            failure_config=FailureConfig(max_failures=train.max_failures,
+                                         controller_failure_limit=train.max_controller_failures)),
+    )
+
+
+def write_summary(config: JobConfig, final_metrics: dict[str, Any], data, served: TargetIdentity,
+                  model_path: str, tokenizer, output_dir: Path) -> dict[str, Any]:
+    """Evaluate the exported draft, then write `summary.json` and `report.png`."""
     summary: dict[str, Any] = {
         "run_name": config.run_name,
-        "final_metrics": result.metrics,
+        "final_metrics": final_metrics,
         "draft_dir": str(output_dir / "draft"),
         "target": served.to_dict(),
         "data": data.statuses,

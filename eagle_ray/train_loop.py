@@ -45,7 +45,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """One Ray Train worker: stream supervision from the pool, train the draft with DDP."""
     import ray.train
     import ray.train.torch
-    from transformers import AutoConfig
 
     job = from_dict(JobConfig, loop_config["job"])
     train = job.train
@@ -53,129 +52,201 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     torch.manual_seed(train.seed)
     device = ray.train.torch.get_device()
-    precision = autocast_dtype(train.precision, device)  # None: fp32 throughout
     if device.type == "cuda":  # fp32 matmuls (fp32 precision, or what autocast leaves) use TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-
     served = TargetIdentity.from_dict(loop_config["target"])
-    target_config = AutoConfig.from_pretrained(loop_config["model_path"])
-    embedding, head = load_embedding_and_head(loop_config["model_path"], torch.float32)
-    head = head.to(device)
-    vocab = DraftVocab(torch.tensor(loop_config["draft_to_target"]), served.vocab_size)
-    draft = Eagle3Draft(DraftConfig.from_target(target_config, vocab.size,
-                                                train.intermediate_size), embedding.weight)
-    model = ray.train.torch.prepare_model(draft)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(train))
+    learner = DraftLearner(loop_config, served, train, device)
+    start_step = learner.resume(ray.train.get_checkpoint(), rank)
+    micro_batches, supervision = _supervision(job, loop_config, rank, world, start_step)
+    on_device = DevicePrefetcher(supervision, device)
+    window = MetricsWindow(micro_batches, world)
+    outputs = RankOutputs(loop_config, job, rank)
+    for step in range(start_step, train.steps):
+        waited = time.perf_counter()
+        host_batch, batch = next(on_device)
+        window.add_batch(host_batch, time.perf_counter() - waited)
+        window.add_values(learner.step(batch))
+        done = step + 1
+        if done % train.log_every and done % train.checkpoint_every and done != train.steps:
+            outputs.progress(done)
+            continue
+        metrics, worker_tokens_per_s = window.flush(done, learner.scheduler.get_last_lr()[0])
+        outputs.log(done, metrics, worker_tokens_per_s)
+        if done % train.checkpoint_every == 0 or done == train.steps:
+            outputs.checkpoint(metrics, learner, done)
+        else:
+            ray.train.report(metrics)
+    outputs.close()
+    if rank == 0:
+        export_draft(learner.draft, learner.vocab, served,
+                     Path(loop_config["output_dir"]) / "draft", train.ttt_steps)
 
-    start_step = 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
+
+class DraftLearner:
+    """The draft, wrapped for DDP, with its optimizer and schedule: one TTT step at a time."""
+
+    def __init__(self, loop_config: dict[str, Any], served: TargetIdentity, train: TrainConfig,
+                 device: torch.device) -> None:
+        import ray.train.torch
+        from transformers import AutoConfig
+
+        target_config = AutoConfig.from_pretrained(loop_config["model_path"])
+        embedding, head = load_embedding_and_head(loop_config["model_path"], torch.float32)
+        self.train, self.device, self.head = train, device, head.to(device)
+        self.precision = autocast_dtype(train.precision, device)  # None: fp32 throughout
+        self.vocab = DraftVocab(torch.tensor(loop_config["draft_to_target"]), served.vocab_size)
+        self.draft = Eagle3Draft(DraftConfig.from_target(
+            target_config, self.vocab.size, train.intermediate_size), embedding.weight)
+        self.model = ray.train.torch.prepare_model(self.draft)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=train.lr,
+                                           weight_decay=train.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(train))
+
+    def resume(self, checkpoint, rank: int) -> int:
+        """Load Ray Train's latest checkpoint, if any; the step to start from."""
+        if checkpoint is None:
+            return 0
         with checkpoint.as_directory() as ckpt_dir:
             state = torch.load(Path(ckpt_dir) / CHECKPOINT_FILE, weights_only=False)
-        draft.load_state_dict(state["draft"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_step = state["step"]
-        logger.info("worker %d resumes at step %d", rank, start_step)
+        self.draft.load_state_dict(state["draft"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        logger.info("worker %d resumes at step %d", rank, state["step"])
+        return state["step"]
 
+    def step(self, batch) -> dict[str, torch.Tensor]:
+        """One optimizer step on `batch`; its loss, gradient norm and per-TTT-step losses and
+        accuracies, left on the device."""
+        probs, position_mask = draft_target(batch, self.vocab, self.head)
+        with (torch.autocast(self.device.type, dtype=self.precision) if self.precision
+              else contextlib.nullcontext()):
+            loss, step_losses, step_accuracies = ttt_loss(
+                self.model, batch.aux_hidden_states, batch.input_ids, batch.loss_mask, probs,
+                position_mask, self.train.ttt_steps)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.train.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return {"loss": loss.detach(), "grad_norm": grad_norm,
+                **{f"loss_{k}": v for k, v in enumerate(step_losses)},
+                **{f"acc_{k}": v for k, v in enumerate(step_accuracies)}}
+
+    def state(self, step: int) -> dict[str, Any]:
+        return {"draft": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "step": step}
+
+
+def _supervision(job: JobConfig, loop_config: dict[str, Any], rank: int, world: int,
+                 start_step: int) -> tuple[TimedIterator, Iterator]:
+    """(the micro-batches read, timed; their supervision): from the supervision cache, or the
+    worker's data shard streamed through the pool."""
+    import ray.train
+
+    train = job.train
     if job.data.supervision_cache:
         # Supervision read from disk: the time spent reading counts as waiting for data.
         micro_batches = TimedIterator(SupervisionCache.open(job.data.supervision_cache).stream(
             rank, world, train.seed + start_step))
-        supervision = micro_batches
-    else:
-        client = PoolClient.connect(job.target.name, job.target.namespace,
-                                    ClientConfig(max_inflight_micro_batches=train.prefetch))
-        micro_batches = TimedIterator(itertools.islice(
-            shard_micro_batches(ray.train.get_dataset_shard("train"), job,
-                                loop_config["pad_id"], rank), train.steps - start_step))
-        supervision = client.stream(micro_batches)
-    on_device = DevicePrefetcher(supervision, device)
+        return micro_batches, micro_batches
+    client = PoolClient.connect(job.target.name, job.target.namespace,
+                                ClientConfig(max_inflight_micro_batches=train.prefetch))
+    micro_batches = TimedIterator(itertools.islice(
+        shard_micro_batches(ray.train.get_dataset_shard("train"), job, loop_config["pad_id"],
+                            rank), train.steps - start_step))
+    return micro_batches, client.stream(micro_batches)
 
-    metrics_path = Path(loop_config["output_dir"]) / "metrics.jsonl"
-    # Rank 0 reports: the driver's progress bar (`console.ProgressBoard`) and the trackers.
-    board = loop_config.get("progress") if rank == 0 else None
-    trackers = Trackers(train.loggers, Path(loop_config["output_dir"]), job.run_name,
-                        loop_config["job"], train.mlflow_tracking_uri, train.mlflow_experiment
-                        ) if rank == 0 and train.loggers else None
-    telemetry = TrainerMetrics(job.run_name, rank)  # every worker, for Prometheus / Grafana
-    # Logged metrics average over the steps since the last log (single steps are noisy).
-    window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
-    window_data_wait = micro_batches.seconds
-    # Sums over the window stay on the device (one host sync per log, not per step); host-side
-    # statistics are read from the host batch.
-    window_sums: dict[str, torch.Tensor] = {}
-    window_padding, window_steps = 0.0, 0
-    for step in range(start_step, train.steps):
-        waited = time.perf_counter()
-        host_batch, batch = next(on_device)
-        window_wait += time.perf_counter() - waited
-        window_padding += padding_share(
+
+class MetricsWindow:
+    """Logged metrics average over the steps since the last log (single steps are noisy). Sums
+    stay on the device (one host sync per log, not per step); host-side statistics are read
+    from the host batch."""
+
+    def __init__(self, micro_batches: TimedIterator, world: int) -> None:
+        self.micro_batches, self.world = micro_batches, world
+        self._reset()
+
+    def _reset(self) -> None:
+        self.start, self.tokens, self.wait = time.perf_counter(), 0, 0.0
+        self.data_wait_before = self.micro_batches.seconds
+        self.sums: dict[str, torch.Tensor] = {}
+        self.padding, self.steps = 0.0, 0
+
+    def add_batch(self, host_batch, waited_s: float) -> None:
+        self.wait += waited_s
+        self.padding += padding_share(
             (host_batch.input_ids, host_batch.attention_mask, host_batch.loss_mask))
-        window_tokens += int(host_batch.attention_mask.sum())
-        probs, position_mask = draft_target(batch, vocab, head)
-        with (torch.autocast(device.type, dtype=precision) if precision
-              else contextlib.nullcontext()):
-            loss, step_losses, step_accuracies = ttt_loss(
-                model, batch.aux_hidden_states, batch.input_ids, batch.loss_mask, probs,
-                position_mask, train.ttt_steps)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        window_steps += 1
-        values = {"loss": loss.detach(), "grad_norm": grad_norm,
-                  **{f"loss_{k}": v for k, v in enumerate(step_losses)},
-                  **{f"acc_{k}": v for k, v in enumerate(step_accuracies)}}
+        self.tokens += int(host_batch.attention_mask.sum())
+
+    def add_values(self, values: dict[str, torch.Tensor]) -> None:
+        self.steps += 1
         for name, value in values.items():
-            window_sums[name] = window_sums[name] + value if name in window_sums else value
-        done = step + 1
-        if done % train.log_every and done % train.checkpoint_every and done != train.steps:
-            if board is not None:
-                board.post.remote(done)
-            continue
-        elapsed = time.perf_counter() - window_start
-        data_wait = micro_batches.seconds - window_data_wait
-        names = list(window_sums)
-        means = (torch.stack([window_sums[n].float() for n in names]) / window_steps).tolist()
-        metrics = {"step": done, "lr": scheduler.get_last_lr()[0],
-                   **dict(zip(names, means, strict=True)),
-                   "padding_share": window_padding / window_steps,
-                   "supervision_tokens_per_s": window_tokens * world / max(elapsed, 1e-9),
+            self.sums[name] = self.sums[name] + value if name in self.sums else value
+
+    def flush(self, step: int, lr: float) -> tuple[dict[str, float], float]:
+        """The window's metrics at `step` and this worker's tokens/s; the next window starts
+        now."""
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        data_wait = self.micro_batches.seconds - self.data_wait_before
+        names = list(self.sums)
+        means = (torch.stack([self.sums[n].float() for n in names]) / self.steps).tolist()
+        metrics = {"step": step, "lr": lr, **dict(zip(names, means, strict=True)),
+                   "padding_share": self.padding / self.steps,
+                   "supervision_tokens_per_s": self.tokens * self.world / elapsed,
                    # Waiting for supervision includes reading the data (the client pulls the
                    # next micro-batch when it has room): report the two apart.
-                   "pool_wait_share": max(window_wait - data_wait, 0.0) / max(elapsed, 1e-9),
-                   "data_wait_share": data_wait / max(elapsed, 1e-9)}
-        telemetry.report(window_tokens / max(elapsed, 1e-9), metrics["pool_wait_share"])
-        window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
-        window_data_wait = micro_batches.seconds
-        window_sums, window_padding, window_steps = {}, 0.0, 0
-        if rank == 0:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            if board is not None:
-                board.post.remote(done, metrics)
-            if trackers is not None:
-                trackers.log(metrics, done)
-        if done % train.checkpoint_every == 0 or done == train.steps:
-            with tempfile.TemporaryDirectory() as tmp:
-                if rank == 0:
-                    torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
-                                "scheduler": scheduler.state_dict(), "step": done},
-                               Path(tmp) / CHECKPOINT_FILE)
-                    (Path(tmp) / RECORD_FILE).write_text(json.dumps(loop_config["run_record"]))
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp)
-                                 if rank == 0 else None)
-        else:
-            ray.train.report(metrics)
-    if trackers is not None:
-        trackers.close()
-    if rank == 0:
-        export_draft(draft, vocab, served, Path(loop_config["output_dir"]) / "draft",
-                     train.ttt_steps)
+                   "pool_wait_share": max(self.wait - data_wait, 0.0) / elapsed,
+                   "data_wait_share": data_wait / elapsed}
+        worker_tokens_per_s = self.tokens / elapsed
+        self._reset()
+        return metrics, worker_tokens_per_s
+
+
+class RankOutputs:
+    """Where a worker's metrics go: Prometheus from every worker; metrics.jsonl, the driver's
+    progress bar (`console.ProgressBoard`) and the experiment trackers from rank 0; and
+    checkpoints through `ray.train.report`."""
+
+    def __init__(self, loop_config: dict[str, Any], job: JobConfig, rank: int) -> None:
+        train = job.train
+        self.rank, self.record = rank, loop_config["run_record"]
+        self.metrics_path = Path(loop_config["output_dir"]) / "metrics.jsonl"
+        self.board = loop_config.get("progress") if rank == 0 else None
+        self.trackers = Trackers(train.loggers, Path(loop_config["output_dir"]), job.run_name,
+                                 loop_config["job"], train.mlflow_tracking_uri,
+                                 train.mlflow_experiment) if rank == 0 and train.loggers else None
+        self.telemetry = TrainerMetrics(job.run_name, rank)
+
+    def progress(self, step: int) -> None:
+        if self.board is not None:
+            self.board.post.remote(step)
+
+    def log(self, step: int, metrics: dict[str, float], worker_tokens_per_s: float) -> None:
+        self.telemetry.report(worker_tokens_per_s, metrics["pool_wait_share"])
+        if self.rank != 0:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.board is not None:
+            self.board.post.remote(step, metrics)
+        if self.trackers is not None:
+            self.trackers.log(metrics, step)
+
+    def checkpoint(self, metrics: dict[str, float], learner: DraftLearner, step: int) -> None:
+        """Report `metrics` with a checkpoint of `learner` at `step` (written by rank 0)."""
+        import ray.train
+
+        with tempfile.TemporaryDirectory() as tmp:
+            if self.rank == 0:
+                torch.save(learner.state(step), Path(tmp) / CHECKPOINT_FILE)
+                (Path(tmp) / RECORD_FILE).write_text(json.dumps(self.record))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp)
+                             if self.rank == 0 else None)
+
+    def close(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def shard_micro_batches(shard, job: JobConfig, pad_id: int, rank: int

@@ -1,6 +1,6 @@
 """Every `eagle-ray bench` subcommand runs in CI in its quick mode (`--quick`: the smallest sizes
 that run all of its code), so a benchmark cannot break unnoticed; what is checked is the shape of
-its JSON lines, never the figures (performance lives in the full runs, README "Benchmarks")."""
+its JSON lines, never the figures (performance lives in the full runs, docs/benchmarks.md)."""
 
 import json
 import math

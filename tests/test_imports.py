@@ -1,6 +1,6 @@
 """The package's shape: it imports without vLLM, the contract stays free of Ray and vLLM, its
-modules import each other in one direction only (no cycles), and no module grows past a size a
-reader can hold."""
+modules import each other in one direction only (no cycles), and no module or function grows past
+a size a reader can hold."""
 
 import ast
 import pkgutil
@@ -11,7 +11,8 @@ from pathlib import Path
 import eagle_ray
 
 PACKAGE_DIR = Path(eagle_ray.__file__).parent
-MAX_MODULE_LINES = 350
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80  # a function does one thing a reader can follow
 # The vLLM KV-connector plug-in: only vLLM loads it, and it subclasses a vLLM class.
 VLLM_PLUGINS = {"eagle_ray.vllm_connector", "eagle_ray.vllm_mixtral"}  # only vLLM loads them
 # The contract and the HF backend: usable in any process, with neither Ray nor vLLM.
@@ -149,6 +150,25 @@ def test_no_module_is_longer_than_a_reader_can_hold():
     lengths = {name: len(path.read_text().splitlines()) for name, path in all_modules().items()}
     too_long = {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES}
     assert too_long == {}
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """{function name: lines} of every function (nested ones too) longer than `limit`."""
+    return {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.end_lineno - node.lineno + 1 > limit}
+
+
+def test_no_function_is_longer_than_a_reader_can_follow():
+    too_long = {f"{name}.{function}": n for name, path in all_modules().items()
+                for function, n in long_functions(path.read_text()).items()}
+    assert too_long == {}
+
+
+def test_the_length_check_finds_a_long_function():
+    body = "\n".join(f"    x{i} = {i}" for i in range(80))
+    assert long_functions(f"def f():\n{body}\n") == {"f": 81}
+    assert long_functions(f"def f():\n{body}\n", limit=81) == {}
 
 
 def test_a_replica_and_the_test_backends_start_without_transformers():

@@ -85,9 +85,9 @@ def test_cluster_yaml_keeps_token_authentication_on():
 
 
 def test_the_colocated_plan_puts_one_replica_and_its_trainers_on_every_node():
-    """The locality plan (README, "Locality") places by resources alone: each cluster.yaml
-    gpu_colocated node has room for exactly one replica of the recipe and the trainers it
-    feeds, and the recipe asks for whole nodes, so every trainer has its own node's replica."""
+    """The locality plan (docs/architecture.md, "Locality") places by resources alone: each
+    cluster.yaml gpu_colocated node has room for exactly one replica of the recipe and the trainers
+    it feeds, and the recipe asks for whole nodes, so every trainer has its own node's replica."""
     config = load_yaml(JobConfig, ROOT / "examples" / "llama3.1-8b-colocated.yaml")
     node = yaml.safe_load((ROOT / "cluster.yaml").read_text())["available_node_types"][
         "gpu_colocated"]

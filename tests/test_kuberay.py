@@ -61,7 +61,7 @@ def test_the_rayjob_runs_the_readmes_training_command_on_the_cluster():
     job, cluster = manifest("rayjob.yaml"), manifest("raycluster.yaml")
     assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
     entrypoint = job["spec"]["entrypoint"]
-    assert entrypoint in (ROOT / "README.md").read_text()
+    assert entrypoint in (ROOT / "docs/training.md").read_text()
     assert entrypoint.startswith("eagle-ray train --config ")
     load_yaml(JobConfig, ROOT / entrypoint.split()[-1])
 

@@ -186,8 +186,8 @@ def test_a_router_outage_mid_stream_loses_no_result_and_clients_recover(cluster,
 
 
 def plan_node(cluster):
-    """A node laid out as the placement plan lays out a GPU node (README, "Locality"): room for
-    one target replica and one trainer."""
+    """A node laid out as the placement plan lays out a GPU node (docs/architecture.md,
+    "Locality"): room for one target replica and one trainer."""
     return cluster.add_node(num_cpus=2, resources={"target_slot": 1, "trainer_slot": 1},
                             object_store_memory=150 * 2**20)
 

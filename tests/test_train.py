@@ -113,7 +113,7 @@ def test_trained_draft_beats_an_untrained_one_in_simulation_and_in_vllm(trained)
         low, high = row["interval_95"]
         assert row["prompts"] == 6 and row["failed"] == 0 and row["verify_steps"] > 0
         assert low <= row["mean_acceptance_length"] <= high
-    # Sampled, the simulation shows the draft working (vLLM's CPU build does not: README).
+    # Sampled, the simulation shows the draft working (vLLM's CPU build does not: docs/training.md).
     sampled = {r["num_speculative_tokens"]: r for r in report["simulated"]
                if r["temperature"] == 1.0}
     assert sorted(sampled) == [3, 7]

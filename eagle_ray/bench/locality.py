@@ -1,9 +1,9 @@
 """Locality: supervision throughput with locality-aware routing on vs off, on two Ray nodes.
 
-Each node holds one replica and one trainer (the placement plan, README "Locality"), laid out
-with the same custom resources a GPU cluster uses. Replicas run the fixed-latency backend with a
-hidden size that gives 32 KiB of supervision per token (what an 8B target emits in bf16), so the
-run is bound by moving results, which is what locality changes.
+Each node holds one replica and one trainer (the placement plan, docs/architecture.md, "Locality"),
+laid out with the same custom resources a GPU cluster uses. Replicas run the fixed-latency backend
+with a hidden size that gives 32 KiB of supervision per token (what an 8B target emits in bf16), so
+the run is bound by moving results, which is what locality changes.
 """
 
 from __future__ import annotations

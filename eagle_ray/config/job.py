@@ -1,7 +1,11 @@
 """The training job's configuration: `eagle-ray train --config FILE [key=value ...]`.
 
-Every key is documented in the README ("Job config keys"); unknown keys and wrong types are errors
-(`eagle_ray.config.loader`).
+Every key is documented by its field's docstring here (docs/configuration.md is generated from
+them); unknown keys and wrong types are errors (`eagle_ray.config.loader`).
+
+Defaults follow the public EAGLE-3 recipes for 8B-class targets (SpecForge: lr 1e-4, 7 TTT
+steps, grad norm 0.5, 2048 tokens, 32k draft vocabulary); examples/tiny.yaml sets the tiny
+target's own values.
 """
 
 from __future__ import annotations
@@ -9,65 +13,95 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from eagle_ray.config.loader import nested_from_dicts
 from eagle_ray.config.pool import PoolConfig
-
-# Defaults follow the public EAGLE-3 recipes for 8B-class targets (SpecForge: lr 1e-4, 7 TTT
-# steps, grad norm 0.5, 2048 tokens, 32k draft vocabulary); examples/tiny.yaml sets the tiny
-# target's own values.
 
 
 @dataclasses.dataclass
 class DataConfig:
-    # Chat data read with Ray Data: a JSONL or Parquet file, a folder of them, or a list; each
-    # row {"messages": [{"role", "content"}]} or ShareGPT {"conversations": [{"from", "value"}]}.
-    # None: the built-in generated chat data.
+    """The chat data the draft learns from (read and tokenised with Ray Data)."""
+
     path: str | list[str] | None = None
-    num_samples: int = 320  # generated data only
-    max_length: int = 2048  # tokens per row (capped at what the target accepts)
-    overlong: Literal["truncate", "drop"] = "truncate"  # rows over max_length (counted)
-    max_tokens_per_micro_batch: int = 16384  # padded tokens (rows x longest row) per micro-batch
-    micro_batch_size: int = 8  # rows per micro-batch at most
-    shuffle_window: int = 256  # rows sorted by length together, then packed into micro-batches
-    cpus_per_task: float = 0.1  # CPUs of each Ray Data task or actor (reading, tokenising)
-    tokenize_workers: int = 1  # Ray Data actors tokenising in parallel (scale with the data)
-    # Inputs of known size up to this (local files, generated data) are tokenised in the driver:
-    # starting Ray Data's readers and tokenising actors costs more than the work. 0: never.
+    """A JSONL or Parquet file, a folder of them, or a list; each row `{"messages": [{"role",
+    "content"}]}` or ShareGPT `{"conversations": [{"from", "value"}]}`; None: the built-in
+    generated chats."""
+    num_samples: int = 320
+    """Generated conversations (when `path` is None)."""
+    max_length: int = 2048
+    """Tokens per row (capped at what the target accepts); sizes the job's vLLM engines (with the
+    regeneration and evaluation lengths); a shared pool with shorter rows is refused."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """Rows over `max_length` (counted): train on their first `max_length` tokens, or drop them."""
+    max_tokens_per_micro_batch: int = 16384
+    """Padded tokens (rows x longest row) per micro-batch; a longer row goes alone."""
+    micro_batch_size: int = 8
+    """Rows per micro-batch at most."""
+    shuffle_window: int = 256
+    """Rows shuffled, sorted by length and packed into micro-batches together on each worker."""
+    cpus_per_task: float = 0.1
+    """CPUs of each Ray Data read / tokenise / filter task or actor."""
+    tokenize_workers: int = 1
+    """Ray Data actors tokenising in parallel (scale with the data and the cluster)."""
     tokenize_in_driver_mb: float = 16.0
-    draft_vocab_size: int = 32000  # = the target's vocabulary: a full-vocabulary draft
-    eval_samples: int = 16  # the first N conversations are held out for evaluation
-    # A folder for the pool's supervision (`eagle-ray cache` writes it; training then reads it
-    # instead of calling the pool: no target replicas, no data reading). None: no cache.
+    """Inputs of known size up to this many MiB (local files, generated data) are tokenised in
+    the driver by the same stage (starting Ray Data's actors costs more than the work); 0:
+    always Ray Data's actors."""
+    draft_vocab_size: int = 32000
+    """Draft vocabulary; at most the target's (equal: a full-vocabulary draft)."""
+    eval_samples: int = 16
+    """The first N conversations are held out for evaluation."""
     supervision_cache: str | None = None
+    """A folder: `eagle-ray cache` writes the pool's supervision there; `eagle-ray train` then
+    reads it instead of starting a pool (docs/training.md). None: no cache."""
 
 
 @dataclasses.dataclass
 class TrainConfig:
+    """Draft training with Ray Train's `TorchTrainer` (DDP workers)."""
+
     workers: int = 2
+    """Ray Train workers."""
     use_gpu: bool = False
+    """One GPU per worker."""
     cpus_per_worker: float = 1.0
-    # Custom resources per worker, e.g. {trainer_node: 1} to keep trainers off target GPUs.
+    """CPUs per worker."""
     worker_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Custom resources per worker, e.g. `{trainer_node: 1}` to keep trainers off target GPUs."""
     steps: int = 200
+    """Optimizer steps (per worker, DDP)."""
     lr: float = 1e-4
+    """AdamW learning rate, after a linear warm-up, then cosine to 10 %."""
     warmup_steps: int = 20
+    """Linear warm-up steps."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     grad_clip: float = 0.5
+    """Gradient norm clip."""
     ttt_steps: int = 7
-    # auto: bf16 autocast on a GPU with bf16 (fp32 master weights and optimizer state, TF32
-    # matmuls), fp32 on the CPU; bf16 or fp32 to choose.
+    """Test-time-training steps (every `eval.num_speculative_tokens` must be at most this)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
-    prefetch: int = 4  # micro-batches each worker keeps in flight at the pool
+    """`auto`: bf16 autocast on a GPU with bf16 (fp32 master weights and optimizer state, TF32
+    matmuls), fp32 on the CPU; bf16 on a GPU without it is an error."""
+    prefetch: int = 4
+    """Micro-batches each worker keeps in flight at the pool."""
     checkpoint_every: int = 50
+    """Steps between checkpoints."""
     log_every: int = 10
+    """Steps between logged metrics."""
     seed: int = 0
-    intermediate_size: int | None = None  # draft MLP width; None: the target's
-    # Ray Train's failure handling (FailureConfig), bounded so that a job that cannot run ends:
-    max_failures: int = 0  # worker failures recovered from the latest checkpoint; -1: no limit
-    max_controller_failures: int = 3  # worker-group start failures (e.g. never scheduled)
-    # Experiment trackers fed by rank 0 (eagle_ray.trackers): "tensorboard", "mlflow".
+    """Data order and initialisation."""
+    intermediate_size: int | None = None
+    """Draft MLP width; None: the target's."""
+    max_failures: int = 0
+    """Worker failures Ray Train recovers from (latest checkpoint); -1: no limit."""
+    max_controller_failures: int = 3
+    """Worker-group start failures (e.g. never scheduled) before the job fails."""
     loggers: list[str] = dataclasses.field(default_factory=list)
-    mlflow_tracking_uri: str | None = None  # None: the folder <output_dir>/mlruns
+    """Experiment trackers fed by rank 0 (`eagle_ray.trackers`): `tensorboard`, `mlflow`."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow server or store; None: the folder `<output_dir>/mlruns`."""
     mlflow_experiment: str = "eagle_ray"
+    """MLflow experiment."""
 
 
 @dataclasses.dataclass
@@ -75,13 +109,21 @@ class RegenerateConfig:
     """Answers regenerated by the target through the pool (`eagle-ray regenerate`, or before
     training when `enabled`): a draft learns to predict what its target says."""
 
-    enabled: bool = False  # the training job regenerates its data first (cached)
-    temperature: float = 0.0  # 0: greedy
+    enabled: bool = False
+    """The training job regenerates its data's answers first (one JSONL file or generated data;
+    cached in `output_dir`)."""
+    temperature: float = 0.0
+    """Sampling temperature; 0: greedy."""
     top_p: float = 1.0
+    """Nucleus sampling."""
     max_new_tokens: int = 256
+    """Longest answer generated (an answer ends at the chat's end-of-turn token)."""
     seed: int = 0
-    conversations_per_wave: int = 256  # answered together, turn by turn
-    prompts_per_request: int = 16  # prompts in one request to a replica
+    """Sampling seed."""
+    conversations_per_wave: int = 256
+    """Conversations answered together, turn by turn."""
+    prompts_per_request: int = 16
+    """Prompts in one request to a replica."""
 
 
 @dataclasses.dataclass
@@ -90,30 +132,51 @@ class EvalConfig:
     it, chain drafting k tokens, greedy and sampled; `eagle_ray.evaluate`)."""
 
     enabled: bool = True
-    prompts: int = 8  # prompts evaluated: the first of prompts_file, or held-out conversations
-    # JSONL of MT-Bench (`turns`, answered turn by turn), GSM8K (`question`) or chat
-    # (`messages` / `conversations`) lines; None: the job's held-out conversations.
+    """Evaluate the exported draft at the end of the job."""
+    prompts: int = 8
+    """Prompts evaluated: the first of `prompts_file`, or held-out conversations."""
     prompts_file: str | None = None
-    max_new_tokens: int = 32  # per turn
-    # Draft tokens per step, each <= train.ttt_steps (SpecBundle reports k = 3 and 7).
+    """JSONL of MT-Bench (`turns`, answered turn by turn), GSM8K (`question`) or chat
+    (`messages` / `conversations`) lines; None: the job's held-out conversations."""
+    max_new_tokens: int = 32
+    """New tokens per turn."""
     num_speculative_tokens: list[int] = dataclasses.field(default_factory=lambda: [3, 7])
+    """Draft tokens per step (k), each at most `train.ttt_steps` (SpecBundle reports k = 3 and
+    7): one table cell each."""
     temperatures: list[float] = dataclasses.field(default_factory=lambda: [0.0, 1.0])
-    bootstrap_samples: int = 1000  # resamples of the prompts for the 95 % interval
-    seed: int = 0  # sampling at temperature > 0, and the bootstrap
-    vllm: bool = True  # measure with vLLM serving the draft (else: the greedy simulation only)
+    """Sampling temperatures: one table cell each."""
+    bootstrap_samples: int = 1000
+    """Resamples of the prompts for the 95 % interval."""
+    seed: int = 0
+    """Seed of sampling at temperature > 0 and of the bootstrap."""
+    vllm: bool = True
+    """Measure with vLLM serving the draft (false: the greedy simulation only)."""
 
 
 @dataclasses.dataclass
 class JobConfig:
-    """`eagle-ray train --config FILE [key=value ...]`; every key is in the README."""
+    """`eagle-ray train --config FILE [key=value ...]`: the top-level keys."""
 
     target: PoolConfig = dataclasses.field(default_factory=PoolConfig)
-    use_shared_pool: bool = False  # join a pool started with `eagle-ray serve` (target.name)
+    """The pool the job starts (or joins): `PoolConfig`'s keys."""
+    use_shared_pool: bool = False
+    """Join the pool named `target.name` started by `eagle-ray serve`."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """The chat data: `DataConfig`'s keys."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """Draft training: `TrainConfig`'s keys."""
     regenerate: RegenerateConfig = dataclasses.field(default_factory=RegenerateConfig)
+    """The target's own answers: `RegenerateConfig`'s keys."""
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Acceptance of the exported draft: `EvalConfig`'s keys."""
     output_dir: str = "runs/tiny"
+    """Metrics, vocabulary, draft, summary, report."""
     run_name: str = "eagle3-draft"
-    storage_path: str | None = None  # Ray Train storage (shared storage on clusters)
-    ray_address: str | None = None  # None: RAY_ADDRESS or a running local cluster, else a new one
+    """Ray Train run (same name: resume; refused if the settings that shape the draft changed)."""
+    storage_path: str | None = None
+    """Ray Train storage (shared storage on clusters); None: `<output_dir>/ray_results`."""
+    ray_address: str | None = None
+    """None: `RAY_ADDRESS`, else a running local cluster, else a new one."""
+
+    def __post_init__(self) -> None:
+        nested_from_dicts(self)

@@ -43,6 +43,23 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, path: str = "") -> T:
     return cls(**values)
 
 
+def nested_from_dicts(config: Any) -> None:
+    """Turn nested configs given as plain mappings (the Python API, as Ray Serve takes
+    `autoscaling_config`) into their dataclasses, checked as YAML is; any other type is a
+    `TypeError` naming the key. Called by the configs' `__post_init__`."""
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        cls = next((a for a in (hints[field.name], *typing.get_args(hints[field.name]))
+                    if dataclasses.is_dataclass(a)), None)
+        value = getattr(config, field.name)
+        if cls is None or value is None or isinstance(value, cls):
+            continue
+        if not isinstance(value, dict):
+            raise TypeError(f"{type(config).__name__}.{field.name} must be {cls.__name__} or "
+                            f"a mapping of its keys, got {type(value).__name__}")
+        setattr(config, field.name, from_dict(cls, value, field.name))
+
+
 def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 

@@ -1,4 +1,5 @@
-"""The pool's and the pool client's configuration (README: "Pool config keys").
+"""The pool's and the pool client's configuration (docs/configuration.md, generated from the
+field docstrings here).
 
 Unknown keys and wrong types are errors (`eagle_ray.config.loader`).
 """
@@ -8,21 +9,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from eagle_ray.config.loader import ConfigError
+from eagle_ray.config.loader import ConfigError, nested_from_dicts
 
 
 @dataclasses.dataclass
 class AutoscalingConfig:
-    """Replicas follow demand (README, "Autoscaling"); the keys follow Ray Serve's
+    """Replicas follow demand (docs/architecture.md, "Autoscaling"); the keys follow Ray Serve's
     `autoscaling_config`. Demand is tokens leased or waiting for a lease."""
 
     min_replicas: int = 1
+    """Fewest replicas the controller keeps (0: none while there is no demand)."""
     max_replicas: int = 4
-    # Add replicas while demand per replica (ready or still starting) stays above this.
+    """Most replicas the controller starts."""
     target_outstanding_tokens_per_replica: int = 8192
-    upscale_delay_s: float = 30.0  # demand must stay above target this long before adding
-    downscale_delay_s: float = 600.0  # ... and below it this long before removing (draining)
-    interval_s: float = 1.0  # how often the controller reads demand and decides
+    """Add replicas while demand per replica (ready or still starting) stays above this; remove
+    them while it stays below (demand: tokens leased or waiting for a lease)."""
+    upscale_delay_s: float = 30.0
+    """Demand must stay above the target this long before a replica is added."""
+    downscale_delay_s: float = 600.0
+    """... and below it this long before one is removed (drained first)."""
+    interval_s: float = 1.0
+    """How often the controller reads demand and decides."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -37,50 +44,72 @@ class AutoscalingConfig:
 
 @dataclasses.dataclass
 class PoolConfig:
-    """What `TargetPool` builds. Every key is documented in the README ("Pool config keys")."""
+    """What `TargetPool` builds (`target.*` of a job)."""
 
-    model_path: str | None = None  # None: the tiny built-in Llama target (eagle_ray.tiny)
-    backend: str = "vllm"  # "vllm", "hf", or "package.module:factory" (factory(config) -> backend)
+    model_path: str | None = None
+    """Target checkpoint folder (HF format, safetensors); None: the tiny built-in Llama
+    target (`eagle_ray.tiny`)."""
+    backend: str = "vllm"
+    """`vllm`, `hf`, or `package.module:factory` (`factory(config) -> backend`)."""
     replicas: int = 1
+    """Replicas started with the pool."""
     tp_size: int = 1
+    """Tensor-parallel ranks per replica (= bundles per placement group)."""
     dtype: str = "auto"
+    """`auto`, `bfloat16`, `float16` or `float32`."""
     aux_layer_ids: list[int] | None = None
+    """Canonical (post-layer) aux ids; None: `[1, N//2-1, N-4]` (docs/contract.md)."""
     encoding: Literal["last_hidden", "logits"] = "last_hidden"
-    # How hidden states travel: "auto" in the engine's dtype, "fp8" as float8 e4m3 with a scale
-    # per token and layer (half of bf16's bytes; the trainer dequantises; eagle_ray.fp8).
+    """What a replica returns besides the aux states: the last hidden state (the trainer applies
+    the target's head) or logits."""
     encoding_dtype: Literal["auto", "fp8"] = "auto"
+    """How hidden states travel: `auto` in the engine's dtype, `fp8` as float8 e4m3 with a scale
+    per token and layer (half of bf16's bytes; the client dequantises; docs/contract.md)."""
     vllm_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Passed to `vllm.LLM` untouched (over the small-machine defaults); a job's own pool gets
+    `max_model_len` from the job unless set here."""
     backend_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # Placement: one group per replica, one bundle per TP rank.
+    """Extra keyword arguments of the backend's `from_pretrained` / factory."""
     use_gpu: bool = False
+    """Each bundle (one per TP rank, one placement group per replica) asks for one GPU."""
     cpus_per_bundle: float = 1.0
+    """CPUs per bundle (on CPU clusters: the engine's threads)."""
     bundle_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Custom resources per bundle, e.g. `{target_node: 0.01}` to keep target GPUs apart."""
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    """Placement group strategy of each replica."""
     runtime_env: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # Naming: actors live in `namespace`; a detached pool outlives the job that made it.
+    """Ray runtime env of the replicas."""
     name: str = "eagle_ray_pool"
+    """Actor names: `<name>-router`, `<name>-replica-<i>`, `<name>-controller`."""
     namespace: str = "eagle_ray"
+    """Ray namespace of the pool's actors."""
     detached: bool = False
-    # Custom resources of the router actor (it needs no CPU), e.g. {"head": 0.001} to keep it on
-    # the head node, off workers that an autoscaler may reclaim.
+    """Outlive the job that created the pool (`eagle-ray serve` sets it)."""
     router_resources: dict[str, float] = dataclasses.field(default_factory=dict)
-    # Load: the router keeps at most this many tokens outstanding on one replica.
+    """Custom resources of the router actor (it takes no CPU), e.g. `{head: 0.001}` to keep it on
+    the head node, off workers an autoscaler may reclaim."""
     max_outstanding_tokens_per_replica: int = 16384
-    # A replica accepts this many calls at once (a call carries one micro-batch or several);
-    # micro-batches waiting together are merged into one engine call (sharing engine steps) of
-    # at most `max_tokens_per_engine_call` padded slots (rows x longest row; a larger
-    # micro-batch runs alone). 1: one call at a time.
+    """Router backpressure: at most this many tokens outstanding on one replica."""
     replica_concurrency: int = 4
+    """Calls a replica accepts at once (a call carries one micro-batch or several; all are merged
+    into shared engine calls); 1: one call at a time."""
     max_tokens_per_engine_call: int = 16384
-    # Locality: lease a replica on the client's own node while it has room (its results then
-    # stay in that node's shared memory instead of crossing the network).
+    """Padded slots (rows x longest row) of one merged engine call; a larger micro-batch runs
+    alone."""
     locality: bool = True
-    # Autoscaling: None keeps `replicas` fixed; set, the pool starts `min_replicas` (or
-    # `replicas`, if larger and within bounds) and a controller adds and removes replicas.
+    """Lease a replica on the client's own node while it has room (its results then stay in that
+    node's shared memory instead of crossing the network; docs/architecture.md)."""
     autoscaling: AutoscalingConfig | None = None
+    """Replicas follow demand (`AutoscalingConfig`, a mapping in YAML or Python); None:
+    `replicas` stays fixed. Set, the pool starts `min_replicas` (or `replicas`, if larger and
+    within bounds) and a controller adds and removes replicas."""
     ready_timeout_s: float = 600.0
+    """How long `create` waits for the replicas (a replica that cannot build its backend fails
+    it at once)."""
 
     def __post_init__(self) -> None:
+        nested_from_dicts(self)
         if self.replicas < 0:
             raise ConfigError(f"replicas must be >= 0, got {self.replicas}")
         if self.tp_size < 1:
@@ -126,16 +155,23 @@ class PoolConfig:
 class ClientConfig:
     """Per-client flow control and retry policy."""
 
-    max_inflight_micro_batches: int = 8  # submitted but not yet consumed (backpressure)
+    max_inflight_micro_batches: int = 8
+    """Micro-batches submitted but not yet consumed (backpressure: the client's window)."""
     max_inflight_tokens: int = 65536
-    timeout_s: float = 600.0  # one attempt on one replica; then it is re-run elsewhere
+    """Tokens submitted but not yet consumed."""
+    timeout_s: float = 600.0
+    """One attempt on one replica; then it is re-run elsewhere."""
     max_attempts: int = 4
-    lease_timeout_s: float = 600.0  # waiting for any replica to accept a micro-batch
-    # A granted lease passes from a finished micro-batch to the next waiting one without a router
-    # call for this long, then goes back (so new, drained and restarted replicas are seen); 0:
-    # one lease per micro-batch.
+    """Attempts of one micro-batch before the client raises."""
+    lease_timeout_s: float = 600.0
+    """Waiting for any replica to accept a micro-batch (also how long `connect` waits for a
+    restarting router)."""
     lease_reuse_s: float = 5.0
-    # Micro-batches leased on one replica at the same moment travel in one call (one Ray call
-    # each way instead of one per micro-batch; they merge on the engine anyway), up to this many,
-    # half the window and the replica's `max_tokens_per_engine_call`; 1: a call per micro-batch.
+    """A granted lease passes from a finished micro-batch to the next waiting one without a
+    router call for this long, then goes back (so new, drained and restarted replicas are seen);
+    0: one lease per micro-batch."""
     max_micro_batches_per_call: int = 8
+    """Micro-batches leased on one replica at the same moment travel in one call (one Ray call
+    each way instead of one per micro-batch; they merge on the engine anyway), up to this many,
+    half the window and the replica's `max_tokens_per_engine_call`; 1: a call per
+    micro-batch."""

@@ -68,7 +68,7 @@ class TargetPool:
         Connects to Ray first when this process has not (`ray.init` in the pool's namespace).
 
         Args:
-            config: the pool to build (README, "Pool config keys"); its `name` and `namespace`
+            config: the pool to build (docs/configuration.md); its `name` and `namespace`
                 name every actor and placement group.
             wait: block until all replicas are ready (up to `config.ready_timeout_s`, then
                 `TimeoutError` saying what is missing; `ReplicaStartupError` at once, with the

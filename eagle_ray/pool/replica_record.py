@@ -25,7 +25,7 @@ class ReplicaRecord:
     served_tokens: int = 0
     served_micro_batches: int = 0
     leases: int = 0
-    on_node_leases: int = 0  # leases to a client on this replica's node (README, "Locality")
+    on_node_leases: int = 0  # leases to a client on this replica's node (docs/architecture.md)
     errors: int = 0
     restarts: int = 0
     pid: int | None = None

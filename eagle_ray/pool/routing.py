@@ -5,9 +5,9 @@ the choice itself lives here, as Ray Serve keeps its request routers apart from 
 them.
 
 Locality: a replica's result is a few hundred MB of supervision per micro-batch. A client on the
-replica's node maps it from shared memory; a client on another node has Ray's object manager pull
-it over the network, ten to a hundred times slower (README, "Locality"). So a replica on the
-client's node is preferred while it has room, and the least-loaded replica anywhere takes the
+replica's node maps it from shared memory; a client on another node has Ray's object manager pull it
+over the network, ten to a hundred times slower (docs/architecture.md, "Locality"). So a replica on
+the client's node is preferred while it has room, and the least-loaded replica anywhere takes the
 micro-batch otherwise: locality never makes a client wait while another replica could serve it.
 """
 

@@ -1,5 +1,5 @@
 """The pool's and the trainers' series in Ray's metrics system (`ray.util.metrics`), so Ray's
-Prometheus export and Grafana pick them up (README, "Autoscaling": what each one means).
+Prometheus export and Grafana pick them up (docs/operations.md, "Telemetry": what each one means).
 
 Ray prefixes every name with `ray_` in Prometheus, and counters get a `_total` suffix, e.g.
 `ray_eagle_ray_replica_served_tokens_total`. Each class is built once inside the actor that
