@@ -133,6 +133,14 @@ def test_replicas_that_fail_to_start_stop_the_scaling_up_and_say_why(local_ray, 
             "ray_eagle_ray_pool_scaling_decisions_total", 0) >= 1
             and "ray_eagle_ray_pool_demand_tokens" in scrape(local_ray, "autoscale-broken"),
             what="the controller's decisions and demand in telemetry")
+        # One allocator for manual adds and the controller's: a replica added by hand after an
+        # autoscale-up gets a name no replica had (the pool's own counter said 1, taken).
+        names = set(pool.status()["replicas"])
+        assert len(names) >= 2, "the controller added replicas"
+        index = pool.add_replica()
+        assert pool.config.replica_name(index) not in names
+        wait_until(lambda: set(pool.status()["replicas"]) == names | {
+            pool.config.replica_name(index)}, what="the manual replica registered beside them")
         gate.unlink()
         result = ray.get(run, timeout=TIMEOUT_S)
         assert all(result["correct"]), "the replica that started keeps serving"

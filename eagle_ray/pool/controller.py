@@ -21,7 +21,7 @@ from ray.actor import ActorHandle
 
 from eagle_ray.config.pool import PoolConfig
 from eagle_ray.pool.autoscaling import AutoscalingPolicy, ScalingDecision
-from eagle_ray.pool.replicas import kill_replica, replica_indices, start_replica
+from eagle_ray.pool.replicas import kill_replica, start_replica
 from eagle_ray.pool.states import ReplicaState
 from eagle_ray.pool.telemetry import ControllerMetrics
 
@@ -39,7 +39,6 @@ class PoolController:
         self._router = ray.get_actor(config.router_name, namespace=config.namespace)
         self._policy = AutoscalingPolicy(config.autoscaling)
         self._handles: dict[int, ActorHandle] = {}  # replicas it started: it keeps them alive
-        self._next_index = 1 + max(replica_indices(config), default=-1)
         self._removing: set[str] = set()
         self._counts = {"scale_ups": 0, "scale_downs": 0, "replicas_added": 0,
                         "replicas_removed": 0}
@@ -87,8 +86,7 @@ class PoolController:
         self._last = {"at": time.time(), "from": len(supply), "to": decision.replicas,
                       "reason": decision.reason}
         for _ in range(change):
-            index = self._next_index
-            self._next_index += 1
+            index = await self._router.reserve_index.remote()
             self._handles[index] = start_replica(self._config, index)
             await self._router.add_replica.remote(self._config.replica_name(index),
                                                   self._handles[index])

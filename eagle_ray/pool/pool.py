@@ -52,7 +52,6 @@ class TargetPool:
     def __init__(self, config: PoolConfig, router: Any) -> None:
         self.config = config
         self.router = router
-        self._next_index = 1 + max(replica_indices(config), default=-1)
         # Non-detached actors die with their last handle: the pool keeps one per replica (and
         # one for the autoscaling controller).
         self._handles: dict[int, Any] = {}
@@ -119,8 +118,7 @@ class TargetPool:
         node for it); the rest of the pool keeps serving. On an autoscaled pool the controller
         may later remove it again, as demand says.
         """
-        index = self._next_index
-        self._next_index += 1
+        index = self._call_router("reserve_index")
         self._handles[index] = start_replica(self.config, index)
         self._call_router("add_replica", self.config.replica_name(index), self._handles[index])
         return index

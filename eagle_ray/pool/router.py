@@ -54,6 +54,7 @@ class PoolRouter:
         self._max_tokens = max_outstanding_tokens_per_replica
         self._locality = locality
         self._replicas: dict[str, ReplicaRecord] = {}  # name -> state
+        self._next_index = 0  # the lowest replica index never handed out (`reserve_index`)
         self._removed: set[str] = set()  # names dropped on purpose; discovery skips them
         self._changed = asyncio.Condition()  # notified whenever capacity or membership changes
         self._leases = 0
@@ -73,6 +74,19 @@ class PoolRouter:
             handle = handle or ray.get_actor(name, namespace=self._namespace)
             self._replicas[name] = ReplicaRecord(name, handle)
             self._probe_soon(self._replicas[name])
+
+    async def reserve_index(self) -> int:
+        """A replica index no live replica of the pool has and none handed out before: the one
+        allocator `TargetPool.add_replica` and the autoscaling controller share, so a manual add
+        after an autoscale-up gets a fresh name. After a router restart, live names (and the
+        replicas adopted) seed it again. Repeating a call only skips an index."""
+        actors = await asyncio.to_thread(ray.util.list_named_actors, True)
+        names = [a["name"] for a in actors if a["namespace"] == self._namespace]
+        suffixes = [n[len(self._prefix):] for n in [*names, *self._replicas]
+                    if n.startswith(self._prefix)]
+        index = max([self._next_index, *(int(s) + 1 for s in suffixes if s.isdigit())])
+        self._next_index = index + 1
+        return index
 
     async def remove_replica(self, name: str, drain: bool = True,
                              timeout_s: float = 600.0) -> bool:
