@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import ray
 import torch
 
 from eagle_ray.pool import ClientConfig, PoolClient, PoolConfig, TargetPool
+from eagle_ray.pool.protocol import ClientStats
 from eagle_ray.testing import random_micro_batch, synthetic_aux_states
 
 SYNTHETIC = "eagle_ray.testing:fixed_latency_target"
@@ -68,10 +70,10 @@ class TrainerStandIn:
         inputs = micro_batches(count, seed)
         correct = [is_correct(x, b) for x, b in zip(inputs, self.client.stream(inputs),
                                                     strict=True)]
-        return {"correct": correct, "stats": dict(self.client.stats)}
+        return {"correct": correct, "stats": copy.deepcopy(self.client.stats)}
 
-    def stats(self) -> dict:
-        return dict(self.client.stats)
+    def stats(self) -> ClientStats:
+        return copy.deepcopy(self.client.stats)
 
     def node_id(self) -> str:
         return self.client.node_id
@@ -95,11 +97,11 @@ def replica_status(pool: TargetPool, index: int) -> dict:
 def engine_inside(pool: TargetPool, index: int) -> int:
     """Micro-batches waiting for or on replica `index`'s engine now (the replica's own count)."""
     return ray.get(replica_handle(pool, index).ready.remote(),
-                   timeout=TIMEOUT_S)["engine"]["inside"]
+                   timeout=TIMEOUT_S).engine.inside
 
 
 def retries(trainers) -> int:
     """Attempts the trainers' clients re-ran so far (counted when each is lost, before the
     re-run's result)."""
-    return sum(stats["retries"] for stats in ray.get([t.stats.remote() for t in trainers],
+    return sum(stats.retries for stats in ray.get([t.stats.remote() for t in trainers],
                                                      timeout=TIMEOUT_S))

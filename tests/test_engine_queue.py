@@ -1,5 +1,6 @@
 """The replica's engine queue: waiting micro-batches are merged into one engine call, exactly."""
 
+import dataclasses
 import threading
 
 import pytest
@@ -63,15 +64,15 @@ def test_micro_batches_waiting_together_share_one_call_within_the_token_cap(hf_t
     for t in threads[1:]:
         t.start()
     # All five inside (one on the engine, four waiting): the queue's own count, bounded.
-    wait_until(lambda: queue.stats["inside"] == 5, what="four micro-batches waiting")
+    wait_until(lambda: queue.stats.inside == 5, what="four micro-batches waiting")
     engine.release.set()
     for t in threads:
         t.join(60)
     # 1 alone, then 3 merged (3 x 64 slots is the cap), then the last one.
     assert [tuple(s) for s in engine.calls] == [(1, 64), (3, 64), (1, 64)]
-    busy = queue.stats.pop("busy_s")
-    assert queue.stats == {"engine_calls": 3, "micro_batches": 5, "merged_calls": 1,
-                           "inside": 0}
+    stats = dataclasses.asdict(queue.stats)
+    busy = stats.pop("busy_s")
+    assert stats == {"engine_calls": 3, "micro_batches": 5, "merged_calls": 1, "inside": 0}
     assert busy > 0
     for part, got in zip(parts, results, strict=True):
         torch.testing.assert_close(got.aux_hidden_states,

@@ -124,8 +124,8 @@ def scenario(gcs: str, tmp_path: str) -> None:
         served = collections.Counter()
         for result in ray.get(runs, timeout=TIMEOUT_S):
             assert len(result["correct"]) == 30 and all(result["correct"])
-            assert result["stats"]["delivered"] == 30
-            served.update(result["stats"]["served_by"])
+            assert result["stats"].delivered == 30
+            served.update(result["stats"].served_by)
         assert len(served) == 2 and sum(served.values()) == 60, "both served, each batch once"
         # Demand gone: one replica is drained and removed, and its node reaped when idle.
         wait_until(lambda: len(pool.status()["replicas"]) == 1, what="scaled down")

@@ -74,8 +74,8 @@ def test_replicas_follow_demand_and_training_rides_through_exactly_once(local_ra
         served = collections.Counter()
         for result in ray.get(runs, timeout=TIMEOUT_S):
             assert len(result["correct"]) == 40 and all(result["correct"])
-            assert result["stats"]["delivered"] == 40 and result["stats"]["retries"] == 0
-            served.update(result["stats"]["served_by"])
+            assert result["stats"].delivered == 40 and result["stats"].retries == 0
+            served.update(result["stats"].served_by)
         assert sum(served.values()) == 120, "every micro-batch served once"
         if reuse == "fresh-leases":
             assert len(served) == 2, "the new replica took work (the third never got room)"

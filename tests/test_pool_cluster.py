@@ -79,7 +79,7 @@ def test_replicas_pack_on_one_node_each_and_an_unfitting_one_waits(cluster):
                            timeout=TIMEOUT_S)
                    for i in range(3) if replica_placement(pool.config.replica_name(i))[0]
                    == "CREATED"]
-        assert all(len(info["gpu_ids"]) == 1 for info in gpu_ids)
+        assert all(len(info.gpu_ids) == 1 for info in gpu_ids)
         pending = [r for r in status["replicas"].values() if r["state"] == "starting"]
         assert len(pending) == 1, "the replica that does not fit waits; the pool serves"
         client = PoolClient.connect("placement", "eagle_ray_test")
@@ -116,7 +116,7 @@ def test_removing_a_node_with_replicas_loses_no_micro_batch(cluster, tmp_path):
         results = ray.get(runs, timeout=TIMEOUT_S)
         for result in results:
             assert len(result["correct"]) == 60 and all(result["correct"])
-        assert sum(r["stats"]["retries"] for r in results) >= 2, "calls in flight were re-run"
+        assert sum(r["stats"].retries for r in results) >= 2, "calls in flight were re-run"
         pool.wait_ready(2, timeout_s=120)
         for index in range(2):
             state, bundle_nodes = replica_placement(pool.config.replica_name(index))
@@ -148,7 +148,7 @@ def test_a_client_connects_while_the_router_restarts(cluster, caplog):
         router_home(cluster)
         connecting.join(TIMEOUT_S)
         client = connected["client"]
-        assert client.stats["router_retries"] >= 1
+        assert client.stats.router_retries >= 1
         inputs = micro_batches(4, seed=40)
         assert all(is_correct(x, b) for x, b in zip(inputs, client.stream(inputs), strict=True))
     finally:
@@ -174,12 +174,12 @@ def test_a_router_outage_mid_stream_loses_no_result_and_clients_recover(cluster,
                    what="both clients' windows leased")
         cluster.remove_node(home)
         gate.unlink()
-        wait_until(lambda: all(ray.get(t.stats.remote(), timeout=TIMEOUT_S)["router_retries"]
+        wait_until(lambda: all(ray.get(t.stats.remote(), timeout=TIMEOUT_S).router_retries
                                >= 1 for t in trainers), what="both clients retrying the router")
         router_home(cluster)
         for result in ray.get(runs, timeout=TIMEOUT_S):
             assert len(result["correct"]) == 20 and all(result["correct"])
-            assert result["stats"]["delivered"] == 20 and result["stats"]["router_retries"] >= 1
+            assert result["stats"].delivered == 20 and result["stats"].router_retries >= 1
         pool.wait_ready(2, timeout_s=120)  # the restarted router re-adopted both replicas
     finally:
         pool.shutdown()
@@ -195,7 +195,7 @@ def plan_node(cluster):
 def served_by(trainer) -> collections.Counter:
     """Results the trainer's client received, per replica (counted as they arrive; the router's
     own counts are updated by releases that may still be on their way)."""
-    return ray.get(trainer.stats.remote(), timeout=TIMEOUT_S)["served_by"]
+    return ray.get(trainer.stats.remote(), timeout=TIMEOUT_S).served_by
 
 
 @pytest.mark.parametrize("locality", [True, False], ids=["locality", "control-no-locality"])
@@ -263,8 +263,8 @@ def test_trainers_are_served_on_their_node_and_elsewhere_only_while_its_replica_
         hold_calls.unlink()
         result = ray.get(run, timeout=TIMEOUT_S)
         assert len(result["correct"]) == 12 and all(result["correct"])
-        assert result["stats"]["retries"] == 1, "the killed attempt was re-run, nothing else"
-        assert result["stats"]["served_by"] - before == {other: 12}, "all elsewhere at once"
+        assert result["stats"].retries == 1, "the killed attempt was re-run, nothing else"
+        assert result["stats"].served_by - before == {other: 12}, "all elsewhere at once"
 
         # Back when it returns: the trainer's micro-batches stay on its node again.
         hold_restart.unlink()
@@ -273,7 +273,7 @@ def test_trainers_are_served_on_their_node_and_elsewhere_only_while_its_replica_
         before = served_by(trainers[0])
         result = ray.get(trainers[0].run.remote(10, seed=80), timeout=TIMEOUT_S)
         assert all(result["correct"])
-        assert result["stats"]["served_by"] - before == {own: 10}
+        assert result["stats"].served_by - before == {own: 10}
 
         # It dies again, idle this time (no call of a client fails on it): its health probe
         # goes unanswered while the restart is held, the router stops leasing it, and the
@@ -284,8 +284,8 @@ def test_trainers_are_served_on_their_node_and_elsewhere_only_while_its_replica_
                    what="the idle dead replica suspect")
         stats = ray.get(trainers[0].stats.remote(), timeout=TIMEOUT_S)
         result = ray.get(trainers[0].run.remote(10, seed=81), timeout=TIMEOUT_S)
-        assert all(result["correct"]) and result["stats"]["retries"] == stats["retries"]
-        assert result["stats"]["served_by"] - stats["served_by"] == {other: 10}
+        assert all(result["correct"]) and result["stats"].retries == stats.retries
+        assert result["stats"].served_by - stats.served_by == {other: 10}
         hold_restart.unlink()
     finally:
         pool.shutdown()

@@ -50,7 +50,7 @@ class ClientGroup:
             inputs = micro_batches(count, seed=seed * 100 + k)
             correct = [is_correct(x, b, hidden=HIDDEN)
                        for x, b in zip(inputs, client.stream(inputs), strict=True)]
-            reports[k] = {"correct": correct, "stats": dict(client.stats)}
+            reports[k] = {"correct": correct, "stats": client.stats}
 
         threads = [threading.Thread(target=stream, args=(k,)) for k in range(clients)]
         for thread in threads:
@@ -81,7 +81,7 @@ def test_32_clients_on_one_slow_replica_get_everything_without_spilling():
 
         assert len(reports) == 2 * ACTORS * CLIENTS_PER_ACTOR
         assert all(len(r["correct"]) == 10 and all(r["correct"]) for r in reports)
-        assert all(r["stats"]["max_inflight"] <= WINDOW and r["stats"]["retries"] == 0
+        assert all(r["stats"].max_inflight <= WINDOW and r["stats"].retries == 0
                    for r in reports)
         assert spilled_bytes() == 0, "the clients' windows fit in the store: nothing spills"
         # The clients report outcomes to the router without waiting for it: wait to see them.

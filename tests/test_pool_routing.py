@@ -78,7 +78,7 @@ def test_leases_pass_from_micro_batch_to_micro_batch_and_the_router_hears_of_eve
             assert all(is_correct(x, b) for x, b in zip(inputs, results, strict=True))
             after = pool.status()
             granted = after["leases"] - before["leases"]
-            reused = client.stats["reused_leases"]
+            reused = client.stats.reused_leases
             assert granted + reused == 40, (granted, reused)
             if reuse_s:
                 # The window's first 4 leases carried everything: each result's lease went to
@@ -113,16 +113,16 @@ def test_micro_batches_leased_together_share_one_call_and_one_engine_call(one_re
     call."""
     def engine():
         return ray.get(replica_handle(one_replica_pool, 0).ready.remote(),
-                       timeout=TIMEOUT_S)["engine"]
+                       timeout=TIMEOUT_S).engine
     before = engine()
     client = one_replica_pool.client(ClientConfig(max_inflight_micro_batches=16))
     inputs = micro_batches(8, seed=30)
     results = list(client.stream(inputs))
     assert all(is_correct(x, b) for x, b in zip(inputs, results, strict=True)), "in order"
-    assert client.stats["replica_calls"] == 1
+    assert client.stats.replica_calls == 1
     after = engine()
-    assert (after["engine_calls"] - before["engine_calls"],
-            after["micro_batches"] - before["micro_batches"]) == (1, 8)
+    assert (after.engine_calls - before.engine_calls,
+            after.micro_batches - before.micro_batches) == (1, 8)
 
 
 def test_refills_gather_into_shared_calls_while_results_wait_for_the_caller(one_replica_pool):
@@ -132,7 +132,7 @@ def test_refills_gather_into_shared_calls_while_results_wait_for_the_caller(one_
     assert all(is_correct(x, b) for x, b in zip(inputs, results, strict=True)), "in order"
     # Each call's results arrive together, so the caller finds the next one waiting and refills
     # gather up to half the window (4) before they go: about 1 + 32 / 4 calls, not 40.
-    assert client.stats["replica_calls"] <= 20, client.stats
+    assert client.stats.replica_calls <= 20, client.stats
 
 
 def test_a_bad_micro_batch_in_a_shared_call_fails_alone(one_replica_pool):
@@ -176,16 +176,16 @@ def test_killed_replica_loses_nothing_and_comes_back(gate):
         results = ray.get(runs, timeout=TIMEOUT_S)
         for result in results:
             assert len(result["correct"]) == 40 and all(result["correct"])
-            assert result["stats"]["delivered"] == 40
-            assert sum(result["stats"]["served_by"].values()) == 40, "each delivered once"
+            assert result["stats"].delivered == 40
+            assert sum(result["stats"].served_by.values()) == 40, "each delivered once"
         wait_until(lambda: replica_status(pool, 0)["state"] == "ready")
         status = replica_status(pool, 0)
         assert status["restarts"] == 1 and status["errors"] >= 1
         restarted = pool.config.replica_name(0)
-        before = sum(r["stats"]["served_by"][restarted] for r in results)
+        before = sum(r["stats"].served_by[restarted] for r in results)
         again = ray.get([t.run.remote(20, seed=5 + s) for s, t in enumerate(trainers)],
                         timeout=TIMEOUT_S)
-        assert sum(r["stats"]["served_by"][restarted] for r in again) > before, \
+        assert sum(r["stats"].served_by[restarted] for r in again) > before, \
             "the restarted replica takes work again"
     finally:
         pool.shutdown()
@@ -205,17 +205,17 @@ def test_a_replica_killed_with_several_micro_batches_inside_loses_and_repeats_no
         streaming.start()
         wait_until(lambda: (engine_inside(pool, 0), engine_inside(pool, 1)) == (4, 4),
                    what="four micro-batches inside each replica, the engines held")
-        assert client.stats["replica_calls"] == 2, "the first window went in one call each"
+        assert client.stats.replica_calls == 2, "the first window went in one call each"
         ray.kill(replica_handle(pool, 0), no_restart=False)
-        wait_until(lambda: client.stats["retries"] == 4, what="the four lost ones re-run")
+        wait_until(lambda: client.stats.retries == 4, what="the four lost ones re-run")
         gate.unlink()
         streaming.join(TIMEOUT_S)
         assert len(results) == 20
         assert all(is_correct(x, b) for x, b in zip(inputs, results, strict=True)), "in order"
-        assert client.stats["delivered"] == 20 and client.stats["retries"] == 4
-        assert sum(client.stats["served_by"].values()) == 20, "each delivered once"
-        engine = ray.get(replica_handle(pool, 1).ready.remote(), timeout=TIMEOUT_S)["engine"]
-        assert engine["merged_calls"] >= 1, "micro-batches waiting together shared a call"
+        assert client.stats.delivered == 20 and client.stats.retries == 4
+        assert sum(client.stats.served_by.values()) == 20, "each delivered once"
+        engine = ray.get(replica_handle(pool, 1).ready.remote(), timeout=TIMEOUT_S).engine
+        assert engine.merged_calls >= 1, "micro-batches waiting together shared a call"
     finally:
         pool.shutdown()
 
@@ -234,8 +234,8 @@ def test_engine_error_reruns_the_micro_batch_on_another_replica(tmp_path):
         assert (tmp_path / "failed").exists()
         # The poisoned micro-batch (and any queued behind it on the dying replica) ran again,
         # each time on a replica other than the one it failed on.
-        assert client.stats["retries"] >= 1
-        assert client.stats["reruns_on_same_replica"] == 0
+        assert client.stats.retries >= 1
+        assert client.stats.reruns_on_same_replica == 0
         # The client reports outcomes to the router without waiting for it: wait to see them.
         wait_until(lambda: sum(r["errors"] for r in pool.status()["replicas"].values()) >= 1,
                    what="the failure reported")
@@ -257,15 +257,16 @@ def test_a_timed_out_attempt_reruns_elsewhere_and_its_late_result_is_dropped(gat
         # the other replica (a replica it failed on is avoided) and is served there.
         batch = client.result(client.submit(*inputs))
         assert is_correct(inputs, batch)
-        assert (client.stats["delivered"], client.stats["retries"],
-                client.stats["abandoned_attempts"], client.stats["reruns_on_same_replica"]) == (
+        assert (client.stats.delivered, client.stats.retries,
+                client.stats.abandoned_attempts, client.stats.reruns_on_same_replica) == (
             1, 1, 1, 0)
         held = ray.get(replica_handle(pool, 0).ready.remote(), timeout=TIMEOUT_S)
-        assert held["served_micro_batches"] == 0, "the first attempt is still held"
+        assert held.served_micro_batches == 0, "the first attempt is still held"
         gate.unlink()
-        wait_until(lambda: ray.get(replica_handle(pool, 0).ready.remote(), timeout=TIMEOUT_S)[
-            "served_micro_batches"] == 1, what="the abandoned attempt finishing late")
-        assert client.stats["delivered"] == 1, "its late result is not delivered again"
+        wait_until(lambda: ray.get(replica_handle(pool, 0).ready.remote(),
+                                   timeout=TIMEOUT_S).served_micro_batches == 1,
+                   what="the abandoned attempt finishing late")
+        assert client.stats.delivered == 1, "its late result is not delivered again"
         assert client.num_inflight == 0
     finally:
         pool.shutdown()
@@ -280,7 +281,7 @@ def test_backpressure_bounds_inflight_micro_batches_and_tokens():
         for x, batch in zip(inputs, client.stream(inputs), strict=True):
             assert is_correct(x, batch)
             assert client.num_inflight <= 4
-        assert client.stats["max_inflight"] == 4
+        assert client.stats.max_inflight == 4
         peak = replica_status(pool, 0)["peak_outstanding_tokens"]
         assert 0 < peak <= 60
         # A token window smaller than the micro-batch window is the binding one.
@@ -289,7 +290,7 @@ def test_backpressure_bounds_inflight_micro_batches_and_tokens():
         for x, batch in zip(inputs, by_tokens.stream(inputs), strict=True):
             assert is_correct(x, batch)
             assert by_tokens.num_inflight <= 2
-        assert by_tokens.stats["max_inflight"] == 2  # 2 x 26 tokens fit in 60, 3 do not
+        assert by_tokens.stats.max_inflight == 2  # 2 x 26 tokens fit in 60, 3 do not
     finally:
         pool.shutdown()
 
@@ -313,7 +314,7 @@ def test_bad_input_is_rejected_at_the_client_before_it_travels(one_replica_pool)
         client.submit(ids + 2000, attention, loss)
     with pytest.raises(ValueError, match="empty micro-batch"):
         client.submit(ids[:0], attention[:0], loss[:0])
-    assert client.stats["submitted"] == 0
+    assert client.stats.submitted == 0
 
 
 def test_a_self_check_failure_stops_the_stream_at_once_with_its_message():
@@ -322,7 +323,7 @@ def test_a_self_check_failure_stops_the_stream_at_once_with_its_message():
         client = pool.client(ClientConfig(max_attempts=4))
         with pytest.raises(SelfCheckError, match="layer-id convention"):
             list(client.stream(micro_batches(8, seed=13)))
-        assert client.stats["retries"] == 0, "a configuration error is not re-run"
+        assert client.stats.retries == 0, "a configuration error is not re-run"
         with pytest.raises(SelfCheckError):
             client.submit(*micro_batches(1, seed=14)[0])
         # The client reports the failure to the router without waiting for it: wait to see it.
@@ -373,10 +374,10 @@ def test_a_replica_is_drained_with_leases_out_and_an_added_one_serves(gate):
         streaming.join(TIMEOUT_S)
         assert removal == {"index": index}
         assert all(is_correct(x, b) for x, b in zip(inputs, results, strict=True))
-        assert client.stats["delivered"] == 12 and client.stats["retries"] == 0, \
+        assert client.stats.delivered == 12 and client.stats.retries == 0, \
             "draining finished the leases instead of abandoning them"
         assert list(pool.status()["replicas"]) == ["scale-replica-0"]
-        assert client.stats["served_by"][pool.config.replica_name(index)] >= 1, \
+        assert client.stats.served_by[pool.config.replica_name(index)] >= 1, \
             "the added replica served some"
     finally:
         pool.shutdown()

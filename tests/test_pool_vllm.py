@@ -40,7 +40,7 @@ def test_hostile_input_at_the_client_and_at_a_replica_is_refused_iff_invalid(vll
         client.submit(*hostile.batch)
     except (TypeError, ValueError) as e:
         assert not hostile.valid and hostile.explains(e), (hostile.mutations, e)
-        assert client.stats["submitted"] == 0, "refused before it travels"
+        assert client.stats.submitted == 0, "refused before it travels"
     else:
         assert hostile.valid, f"the client sent an invalid batch ({hostile.mutations})"
         client.next_result()  # an input the fuzzer left valid is served

@@ -145,11 +145,11 @@ def test_a_killed_replica_loses_and_duplicates_no_conversation(local_ray, pretra
         ray.kill(ray.get_actor(held, namespace="eagle_ray_test"), no_restart=False)
         # The gate opens only once the kill has landed (the held request re-run): opened
         # before, the held call could finish first.
-        wait_until(lambda: client.stats["retries"] >= 1, what="the held request re-run")
+        wait_until(lambda: client.stats.retries >= 1, what="the held request re-run")
         gate.unlink()
         running.join(TIMEOUT_S)
         assert reports and reports[0].conversations == 20 and reports[0].failed == 0
-        assert client.stats["retries"] >= 1, "the killed replica's request was re-run"
+        assert client.stats.retries >= 1, "the killed replica's request was re-run"
         output = read_output(tmp_path / "out.jsonl")
         assert sorted(line[META_KEY]["source_line"] for line in output) == list(range(1, 21))
         stops = stop_token_ids(tokenizer)

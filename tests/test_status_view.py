@@ -18,7 +18,8 @@ def test_the_status_table_shows_supply_demand_and_each_replica():
               "ready_replicas": 1, "leases": 40, "demand_tokens": 900,
               "autoscaling": {"min_replicas": 1, "max_replicas": 4, "desired": 2, "starting": 1,
                               "removing": 0, "scale_ups": 1, "scale_downs": 0,
-                              "last_decision": {"from": 1, "to": 2, "reason": "demand high"}}}
+                              "last_decision": {"replicas_before": 1, "replicas_after": 2,
+                                                "reason": "demand high"}}}
     lines = format_status("p", status).splitlines()
     assert lines[0] == "pool p: 1/2 replicas ready, demand 900 tokens, 40 leases"
     assert "desired 2, starting 1" in lines[1] and "1 -> 2 (demand high)" in lines[2]

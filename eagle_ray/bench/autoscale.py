@@ -29,10 +29,10 @@ class _Trainer:
     def run(self, count: int, seed: int, step_s: float = 0.1) -> tuple[float, float]:
         batches = [random_micro_batch(1024, (64,) * 4, seed=seed * 1000 + i)
                    for i in range(count)]
-        start, waited = time.perf_counter(), self.client.stats["wait_seconds"]
+        start, waited = time.perf_counter(), self.client.stats.wait_seconds
         for _ in self.client.stream(batches):
             time.sleep(step_s)  # the training step
-        return time.perf_counter() - start, self.client.stats["wait_seconds"] - waited
+        return time.perf_counter() - start, self.client.stats.wait_seconds - waited
 
 
 class _Sampler(threading.Thread):

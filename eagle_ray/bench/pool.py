@@ -121,10 +121,10 @@ def _engine_busy(replica):
     """Yields a list that holds, afterwards, the share of the time the replica's engine was busy
     (the rest it idled waiting for work)."""
     share: list[float] = []
-    before = ray.get(replica.ready.remote())["engine"]["busy_s"]
+    before = ray.get(replica.ready.remote()).engine.busy_s
     start = time.perf_counter()
     yield share
-    after = ray.get(replica.ready.remote())["engine"]["busy_s"]
+    after = ray.get(replica.ready.remote()).engine.busy_s
     share.append((after - before) / (time.perf_counter() - start))
 
 
@@ -156,10 +156,10 @@ class _StreamingClient:
         """(started, finished) wall-clock times of streaming `count` micro-batches, and the
         replica calls that took."""
         time.sleep(max(0.0, start_at - time.time()))
-        calls = self.client.stats["replica_calls"]
+        calls = self.client.stats.replica_calls
         started = time.time()
         collections.deque(self.client.stream([self.batch] * count), 0)
-        return started, time.time(), self.client.stats["replica_calls"] - calls
+        return started, time.time(), self.client.stats.replica_calls - calls
 
 
 def run_router(clients: tuple[int, ...] = (1, 4, 16), seconds: float = 10.0) -> None:

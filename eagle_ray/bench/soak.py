@@ -76,8 +76,8 @@ class SoakClient:
             counts["tokens"] += int(attention.sum())
             self.tokens = counts["tokens"]
         counts["lost"] += len(inputs)
-        return {**counts, "submitted": client.stats["submitted"],
-                "retries": client.stats["retries"]}
+        return {**counts, "submitted": client.stats.submitted,
+                "retries": client.stats.retries}
 
 
 def _replica_pids(pool: TargetPool) -> dict[int, int]:

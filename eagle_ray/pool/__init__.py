@@ -10,15 +10,15 @@ from typing import Any
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.pool.pool import TargetPool
-from eagle_ray.pool.protocol import ReplicaStartupError
+from eagle_ray.pool.protocol import MicroBatchFailed, ReplicaStartupError
 
 __all__ = ["ClientConfig", "MicroBatchFailed", "PoolClient", "PoolConfig", "ReplicaStartupError",
            "TargetPool"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("MicroBatchFailed", "PoolClient"):
-        from eagle_ray.pool import client
+    if name == "PoolClient":
+        from eagle_ray.pool.client import PoolClient
 
-        return getattr(client, name)
+        return PoolClient
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

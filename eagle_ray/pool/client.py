@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import time
@@ -31,8 +30,14 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from eagle_ray.config.pool import ClientConfig
 from eagle_ray.pool import replica_calls
 from eagle_ray.pool.failures import FailureKind, classify
-from eagle_ray.pool.inflight import InFlightMicroBatch, Window, client_stats
-from eagle_ray.pool.protocol import NoReplicaAvailable
+from eagle_ray.pool.inflight import InFlightMicroBatch, Window
+from eagle_ray.pool.protocol import (
+    ClientStats,
+    MicroBatchFailed,
+    NoReplicaAvailable,
+    ReplicaInfo,
+    RequestKind,
+)
 from eagle_ray.pool.router_link import ROUTER_RETRY_S, Lease, RouterLink, RouterUnavailable
 from eagle_ray.pool.states import MicroBatchPhase
 from eagle_ray.pool.transport import pack_inputs
@@ -44,10 +49,6 @@ logger = logging.getLogger(__name__)
 MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class MicroBatchFailed(RuntimeError):
-    """A micro-batch could not be served; the message says where it was tried and why."""
-
-
 class PoolClient:
     """Submit micro-batches, receive `Eagle3TargetBatch`es; see the module docstring.
 
@@ -57,18 +58,18 @@ class PoolClient:
 
     Args:
         router: the link to the pool's router (`RouterLink.connect`).
-        target_info: what a replica reported (`vocab_size`, `max_length`), to validate inputs.
+        target_info: what a replica reported (vocabulary, longest row), to validate inputs.
         config: flow control and retries (`ClientConfig`).
     """
 
-    def __init__(self, router: RouterLink, target_info: dict[str, Any],
+    def __init__(self, router: RouterLink, target_info: ReplicaInfo,
                  config: ClientConfig | None = None) -> None:
         self._router = router
         self.config = config or ClientConfig()
-        self.vocab_size = int(target_info["vocab_size"])
+        self.vocab_size = target_info.vocab_size
         self.node_id = router.node_id
-        self.max_length = target_info.get("max_length")
-        self.max_tokens_per_call = int(target_info.get("max_tokens_per_engine_call", 0))
+        self.max_length = target_info.max_length
+        self.max_tokens_per_call = target_info.max_tokens_per_engine_call
         # Micro-batches a replica call carries: at most half the window, so a replica holds the
         # next call while it runs one; refills gather to this many (`stream`).
         self._per_call = min(self.config.max_micro_batches_per_call,
@@ -76,7 +77,7 @@ class PoolClient:
         self._ids = itertools.count()
         self._inflight = Window()
         self._fatal: BaseException | None = None  # a configuration error: every call raises it
-        self.stats = client_stats()
+        self.stats = ClientStats()
 
     @classmethod
     def connect(cls, pool_name: str = "eagle_ray_pool", namespace: str = "eagle_ray",
@@ -89,7 +90,7 @@ class PoolClient:
         except RouterUnavailable as e:
             raise MicroBatchFailed(str(e)) from e
         client = cls(link, info, config)
-        client.stats["router_retries"] = unavailable
+        client.stats.router_retries = unavailable
         return client
 
     # ------------------------------------------------------------------ public API
@@ -117,9 +118,8 @@ class PoolClient:
         micro_batch_id = next(self._ids)
         item = InFlightMicroBatch(micro_batch_id, inputs, num_tokens, **how)
         self._inflight[micro_batch_id] = item
-        self._lease(item)
-        self.stats["submitted"] += 1
-        self.stats["max_inflight"] = max(self.stats["max_inflight"], len(self._inflight))
+        self.stats.submitted += 1
+        self.stats.max_inflight = max(self.stats.max_inflight, len(self._inflight))
         return micro_batch_id
 
     def submit_completion(self, prompts: list[list[int]], sampling: Sampling) -> int:
@@ -130,9 +130,8 @@ class PoolClient:
                          max_new_tokens=sampling.max_new_tokens)
         num_tokens = sum(map(len, prompts)) + len(prompts) * sampling.max_new_tokens
         self._wait_for_room(num_tokens)
-        request_id = self._enqueue(ray.put(([list(p) for p in prompts],
-                                             dataclasses.asdict(sampling))),
-                                   num_tokens, method="complete", decode=list)
+        request_id = self._enqueue(ray.put(([list(p) for p in prompts], sampling)),
+                                   num_tokens, kind=RequestKind.COMPLETION, decode=list)
         self._ask_for_leases()
         return request_id
 
@@ -159,11 +158,11 @@ class PoolClient:
         while not item.done:
             self._pump(timeout=1.0)
             self._raise_fatal()
-        self.stats["wait_seconds"] += time.monotonic() - started
+        self.stats.wait_seconds += time.monotonic() - started
         del self._inflight[micro_batch_id]
         if item.error is not None:
             raise item.error  # its report goes with the caller's flush (`result`, `stream`)
-        self.stats["delivered"] += 1
+        self.stats.delivered += 1
         return item.result
 
     def stream(self, micro_batches: Iterable[MicroBatch]) -> Iterator[Eagle3TargetBatch]:
@@ -209,19 +208,15 @@ class PoolClient:
                     f"({len(self._inflight)} micro-batches): call next_result() before "
                     f"submitting more, or use stream()")
             self._pump(timeout=1.0)
-        self.stats["wait_seconds"] += time.monotonic() - started
+        self.stats.wait_seconds += time.monotonic() - started
 
     # ------------------------------------------------------------------ the state machine
-
-    def _lease(self, item: InFlightMicroBatch) -> None:
-        """Mark it as needing a replica (a spare lease, or the router's in the next round)."""
-        item.phase, item.lease_ref = MicroBatchPhase.LEASING, None
 
     def _ask_for_leases(self) -> None:
         """Spare leases for the micro-batches waiting that they fit, and one router call for the
         others."""
         matched = self._router.ask(self._inflight.unsent(), self.config.lease_timeout_s)
-        self.stats["reused_leases"] += len(matched)
+        self.stats.reused_leases += len(matched)
         self._run(matched)
 
     def _settle(self, keep: int | None) -> None:
@@ -234,7 +229,7 @@ class PoolClient:
         now = time.monotonic()
         for item in self._inflight.values():
             if item.phase is MicroBatchPhase.BACKOFF and now >= item.retry_lease_at:
-                self._lease(item)
+                item.wait_for_lease()
             if item.phase is MicroBatchPhase.RUNNING and now > item.deadline:
                 self._attempt_failed(item, f"timed out after {self.config.timeout_s:.0f}s",
                                      replica_died=False, cancel=True)
@@ -261,7 +256,7 @@ class PoolClient:
 
     def _on_leases(self, ref: ray.ObjectRef, items: list[InFlightMicroBatch]) -> None:
         for item in items:
-            item.lease_ref = None  # not granted: asked again next round
+            item.wait_for_lease()  # those not granted are asked for again next round
         try:
             leased = self._router.granted(ref, items)
         except NoReplicaAvailable as e:
@@ -269,10 +264,9 @@ class PoolClient:
                 item.fail(MicroBatchFailed(str(e)))
             return
         if leased is None:  # the router is restarting (or was replaced): ask again shortly
-            self.stats["router_retries"] += 1
+            self.stats.router_retries += 1
             for item in items:
-                item.phase = MicroBatchPhase.BACKOFF
-                item.retry_lease_at = time.monotonic() + ROUTER_RETRY_S
+                item.back_off(time.monotonic() + ROUTER_RETRY_S)
             return
         self._run(leased)
 
@@ -288,7 +282,7 @@ class PoolClient:
                     self._attempt_failed(item, "replica removed", replica_died=False)
                 continue
             replica_calls.send(handle, items)
-            self.stats["replica_calls"] += 1
+            self.stats.replica_calls += 1
 
     def _on_results(self, ref: ray.ObjectRef, items: list[InFlightMicroBatch]) -> None:
         """The answer of one replica call, for each micro-batch it carried."""
@@ -312,9 +306,9 @@ class PoolClient:
                 if kind is FailureKind.CONFIGURATION:
                     self._fatal = own
                 continue
-            self.stats["served_by"][item.replica] += 1
+            self.stats.served_by[item.replica] += 1
             if item.replica in item.failed_on:
-                self.stats["reruns_on_same_replica"] += 1
+                self.stats.reruns_on_same_replica += 1
             item.succeed(item.decode(own))
 
     def _attempt_failed(self, item: InFlightMicroBatch, reason: str, replica_died: bool,
@@ -322,20 +316,12 @@ class PoolClient:
         """Re-run the micro-batch elsewhere; a late result of this attempt is dropped."""
         if cancel and item.result_ref is not None:
             ray.cancel(item.result_ref)
-            self.stats["abandoned_attempts"] += 1
+            self.stats.abandoned_attempts += 1
         self._release(item, ok=False, replica_died=replica_died)
-        item.failed_on.append(item.replica)
-        item.errors.append(f"{item.replica}: {reason}")
-        item.result_ref, item.replica = None, None
-        if item.attempts >= self.config.max_attempts:
-            item.fail(MicroBatchFailed(
-                f"micro-batch {item.micro_batch_id} failed {item.attempts} times: "
-                + "; ".join(item.errors)))
-            return
-        logger.warning("micro-batch %d: %s; re-running on another replica",
-                       item.micro_batch_id, item.errors[-1])
-        self.stats["retries"] += 1
-        self._lease(item)
+        if item.attempt_failed(reason, self.config.max_attempts):
+            logger.warning("micro-batch %d: %s; re-running on another replica",
+                           item.micro_batch_id, item.errors[-1])
+            self.stats.retries += 1
 
     def _raise_fatal(self) -> None:
         """A configuration error stops the client at once, whichever micro-batch it hit."""

@@ -14,18 +14,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 import ray
 from ray.actor import ActorHandle
 
 from eagle_ray.config.pool import PoolConfig
 from eagle_ray.pool.autoscaling import AutoscalingPolicy, ScalingDecision
+from eagle_ray.pool.protocol import AutoscalingReport, ScalingEvent
 from eagle_ray.pool.replicas import kill_replica, start_replica
 from eagle_ray.pool.states import ReplicaState
 from eagle_ray.pool.telemetry import ControllerMetrics
 
 logger = logging.getLogger(__name__)
+
+Supply = dict[str, tuple[ReplicaState, int]]  # replicas counted as supply: state, outstanding
 
 
 class PoolController:
@@ -42,7 +44,7 @@ class PoolController:
         self._removing: set[str] = set()
         self._counts = {"scale_ups": 0, "scale_downs": 0, "replicas_added": 0,
                         "replicas_removed": 0}
-        self._last: dict[str, Any] | None = None
+        self._last: ScalingEvent | None = None
         self._blocked: str | None = None  # why scaling up stopped (replicas failed to start)
         self._rounds = 0
         self._metrics = ControllerMetrics(config.name)
@@ -58,12 +60,12 @@ class PoolController:
 
     async def _tick(self) -> None:
         demand = await self._router.demand.remote()
-        failed = sorted(name for name, (state, _) in demand["replicas"].items()
-                        if state == ReplicaState.FAILED.value)
-        supply = {name: (state, load) for name, (state, load) in demand["replicas"].items()
-                  if state not in (ReplicaState.DRAINING.value, ReplicaState.FAILED.value)
+        failed = sorted(name for name, (state, _) in demand.replicas.items()
+                        if state is ReplicaState.FAILED)
+        supply = {name: (state, load) for name, (state, load) in demand.replicas.items()
+                  if state not in (ReplicaState.DRAINING, ReplicaState.FAILED)
                   and name not in self._removing}
-        decision = self._policy.decide(time.monotonic(), demand["tokens"], len(supply))
+        decision = self._policy.decide(time.monotonic(), demand.tokens, len(supply))
         if decision is not None and decision.replicas > len(supply) and failed:
             # Every replica is built from the same configuration: a new one would fail alike.
             if self._blocked is None:
@@ -74,17 +76,16 @@ class PoolController:
         if decision is not None:
             await self._apply(decision, supply)
         self._rounds += 1
-        await self._report(demand["tokens"], supply, len(failed))
+        await self._report(demand.tokens, supply, len(failed))
 
-    async def _apply(self, decision: ScalingDecision, supply: dict[str, tuple[str, int]]) -> None:
+    async def _apply(self, decision: ScalingDecision, supply: Supply) -> None:
         change = decision.replicas - len(supply)
         logger.info("autoscaling %s from %d to %d replicas: %s", "up" if change > 0 else "down",
                     len(supply), decision.replicas, decision.reason)
         direction = "up" if change > 0 else "down"
         self._counts["scale_ups" if change > 0 else "scale_downs"] += 1
         self._metrics.decisions.inc(tags={**self._metrics.tags, "direction": direction})
-        self._last = {"at": time.time(), "from": len(supply), "to": decision.replicas,
-                      "reason": decision.reason}
+        self._last = ScalingEvent(time.time(), len(supply), decision.replicas, decision.reason)
         for _ in range(change):
             index = await self._router.reserve_index.remote()
             self._handles[index] = start_replica(self._config, index)
@@ -95,10 +96,10 @@ class PoolController:
             self._removing.add(name)
             asyncio.get_event_loop().create_task(self._remove(name))
 
-    def _removal_order(self, supply: dict[str, tuple[str, int]]) -> list[str]:
+    def _removal_order(self, supply: Supply) -> list[str]:
         """Replicas that never got a node (or an engine) first, then the least loaded, newest
         first."""
-        return sorted(supply, key=lambda n: (supply[n][0] != ReplicaState.STARTING.value,
+        return sorted(supply, key=lambda n: (supply[n][0] is not ReplicaState.STARTING,
                                              supply[n][1], -self._index(n)))
 
     async def _remove(self, name: str) -> None:
@@ -118,19 +119,18 @@ class PoolController:
     def _index(self, name: str) -> int:
         return int(name[len(self._config.replica_prefix):])
 
-    async def _report(self, demand_tokens: int, supply: dict[str, tuple[str, int]],
+    async def _report(self, demand_tokens: int, supply: Supply,
                       failed: int) -> None:
-        ready = sum(state == ReplicaState.READY.value for state, _ in supply.values())
+        ready = sum(state is ReplicaState.READY for state, _ in supply.values())
         counts = {"desired": self._policy.wanted(demand_tokens), "ready": ready,
-                  "starting": sum(state == ReplicaState.STARTING.value
+                  "starting": sum(state is ReplicaState.STARTING
                                   for state, _ in supply.values()), "failed": failed}
         for kind, value in counts.items():
             self._metrics.replicas.set(value, tags={**self._metrics.tags, "kind": kind})
         self._metrics.demand.set(demand_tokens, tags=self._metrics.tags)
         cfg = self._config.autoscaling
-        await self._router.report_autoscaling.remote({
-            "min_replicas": cfg.min_replicas, "max_replicas": cfg.max_replicas,
-            "target_outstanding_tokens_per_replica": cfg.target_outstanding_tokens_per_replica,
-            **counts, "replicas": len(supply), "removing": len(self._removing),
-            **self._counts, "last_decision": self._last, "blocked": self._blocked,
-            "rounds": self._rounds})
+        await self._router.report_autoscaling.remote(AutoscalingReport(
+            min_replicas=cfg.min_replicas, max_replicas=cfg.max_replicas,
+            target_outstanding_tokens_per_replica=cfg.target_outstanding_tokens_per_replica,
+            **counts, replicas=len(supply), removing=len(self._removing), **self._counts,
+            last_decision=self._last, blocked=self._blocked, rounds=self._rounds))

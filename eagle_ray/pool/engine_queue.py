@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from eagle_ray.pool.protocol import EngineStats
 from eagle_ray.target_batch import Eagle3TargetBatch
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids, attention, loss [B, S]
@@ -55,8 +56,7 @@ class EngineQueue:
         self.max_tokens = max_tokens
         self._jobs: collections.deque[_Job] = collections.deque()
         self._wake = threading.Condition()
-        self.stats = {"engine_calls": 0, "micro_batches": 0, "merged_calls": 0, "inside": 0,
-                      "busy_s": 0.0}
+        self.stats = EngineStats()
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
     def generate_many(self, micro_batches: list[MicroBatch]
@@ -76,13 +76,13 @@ class EngineQueue:
     def _wait(self, jobs: list[_Job]) -> None:
         with self._wake:
             self._jobs.extend(jobs)
-            self.stats["inside"] += len(jobs)
+            self.stats.inside += len(jobs)
             self._wake.notify()
         try:
             concurrent.futures.wait([job.future for job in jobs])
         finally:
             with self._wake:
-                self.stats["inside"] -= len(jobs)
+                self.stats.inside -= len(jobs)
 
     def _next_jobs(self) -> list[_Job]:
         """The next call alone, or the waiting micro-batches in a row that fit `max_tokens`
@@ -114,19 +114,19 @@ class EngineQueue:
                     job.future.set_exception(e)
                 continue
             finally:
-                self.stats["busy_s"] += time.perf_counter() - started
+                self.stats.busy_s += time.perf_counter() - started
             for job, result in zip(jobs, results, strict=True):
                 job.future.set_result(result)
 
     def _run(self, jobs: list[_Job]) -> list[Any]:
         """One engine call for `jobs` (a call alone, or micro-batches merged); their results."""
-        self.stats["engine_calls"] += 1
+        self.stats.engine_calls += 1
         if jobs[0].call is not None:
             return [self._run_guarded(jobs[0].call)]
         parts = [job.micro_batch for job in jobs]
         merged = self._run_guarded(lambda: self._generate(merge_micro_batches(parts)))
-        self.stats["micro_batches"] += len(jobs)
-        self.stats["merged_calls"] += len(jobs) > 1
+        self.stats.micro_batches += len(jobs)
+        self.stats.merged_calls += len(jobs) > 1
         return split_batch(merged, parts)
 
 

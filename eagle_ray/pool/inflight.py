@@ -1,5 +1,5 @@
-"""The client's record of one submitted micro-batch (where it stands, what it went through), its
-window of them, and its counters."""
+"""The client's record of one submitted micro-batch (where it stands, what it went through) and
+its window of them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 
+from eagle_ray.pool.protocol import Lease, MicroBatchFailed, RequestKind
 from eagle_ray.pool.states import MicroBatchPhase
 from eagle_ray.pool.transport import batch_from_numpy
 
@@ -21,25 +22,56 @@ class InFlightMicroBatch:
     micro_batch_id: int
     inputs: Any  # the replica method's argument (small arrays, or a ref put once), every attempt
     num_tokens: int
-    method: str = "generate"  # the replica method: supervision, or "complete" for text
+    kind: RequestKind = RequestKind.SUPERVISION
     decode: Callable[[Any], Any] = batch_from_numpy  # the replica's answer -> the result
     phase: MicroBatchPhase = MicroBatchPhase.LEASING
     lease_ref: ray.ObjectRef | None = None  # LEASING: the router's answer
     result_ref: ray.ObjectRef | None = None  # RUNNING: the replica's answer
     call_index: int | None = None  # RUNNING: its place in a `generate_many` call's answers
     replica: str | None = None  # RUNNING: who computes it
-    lease: Any = None  # RUNNING: the `router_link.Lease` it runs on
+    lease: Lease | None = None  # RUNNING: the lease it runs on
     deadline: float = 0.0  # RUNNING: give up on this attempt after this time
     retry_lease_at: float = 0.0  # BACKOFF: ask the router again after this time
     attempts: int = 0
     failed_on: list[str] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)
-    result: Any = None  # SUCCEEDED: an Eagle3TargetBatch, or token lists for "complete"
+    result: Any = None  # SUCCEEDED: an Eagle3TargetBatch, or token lists (COMPLETION)
     error: BaseException | None = None  # FAILED
+
+    # Its phase changes only here: LEASING -> RUNNING (a lease) -> SUCCEEDED; LEASING <->
+    # BACKOFF (the router restarting); RUNNING -> LEASING (an attempt failed, re-run elsewhere);
+    # any -> FAILED (attempts exhausted, no replica, or an error every replica would raise).
 
     @property
     def done(self) -> bool:
         return self.phase in (MicroBatchPhase.SUCCEEDED, MicroBatchPhase.FAILED)
+
+    def wait_for_lease(self) -> None:
+        """It needs a replica: a spare lease, or the router's in the next round."""
+        self.phase, self.lease_ref = MicroBatchPhase.LEASING, None
+
+    def back_off(self, until: float) -> None:
+        """The router is restarting: ask it again at `until` (monotonic)."""
+        self.phase, self.lease_ref, self.retry_lease_at = MicroBatchPhase.BACKOFF, None, until
+
+    def start(self, lease: Lease, deadline: float, call_index: int | None) -> None:
+        """One attempt on `lease`'s replica until `deadline`; its answer is at `call_index` of a
+        shared call's (None: a call of its own)."""
+        self.phase, self.lease, self.replica = MicroBatchPhase.RUNNING, lease, lease.replica
+        self.attempts, self.deadline, self.call_index = self.attempts + 1, deadline, call_index
+
+    def attempt_failed(self, reason: str, max_attempts: int) -> bool:
+        """Record why this attempt failed and drop its result; True when another may run
+        (waiting for a lease again), False when it failed for good."""
+        self.failed_on.append(self.replica)
+        self.errors.append(f"{self.replica}: {reason}")
+        self.result_ref, self.replica = None, None
+        if self.attempts >= max_attempts:
+            self.fail(MicroBatchFailed(f"micro-batch {self.micro_batch_id} failed {self.attempts} "
+                                   f"times: " + "; ".join(self.errors)))
+            return False
+        self.wait_for_lease()
+        return True
 
     def succeed(self, result: Any) -> None:
         self.phase, self.result, self.result_ref = MicroBatchPhase.SUCCEEDED, result, None
@@ -72,15 +104,3 @@ class Window(collections.OrderedDict):
         fewer than `gather` micro-batches wait unsent: then they may wait to go together."""
         oldest = next(iter(self.values()), None)
         return oldest is not None and oldest.done and len(self.unsent()) < gather
-
-
-def client_stats() -> dict[str, Any]:
-    """A client's counters (`PoolClient.stats`). retries: attempts re-run after a failure, of
-    which reruns_on_same_replica landed on a replica that had already failed them;
-    router_retries: calls to an unavailable router; reused_leases: micro-batches run on a lease
-    passed on from a finished one (no router call); replica_calls: calls to replicas (several
-    micro-batches can share one); served_by: results received per replica."""
-    return {"submitted": 0, "delivered": 0, "retries": 0, "reruns_on_same_replica": 0,
-            "abandoned_attempts": 0, "router_retries": 0, "max_inflight": 0,
-            "wait_seconds": 0.0, "reused_leases": 0, "replica_calls": 0,
-            "served_by": collections.Counter()}

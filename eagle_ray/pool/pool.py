@@ -174,14 +174,14 @@ class TargetPool:
                 f"{waited_s:.0f}s: " + "; ".join(reasons or ["no replica was started"]))
 
     def status(self) -> dict[str, Any]:
-        """The router's view: per replica state, outstanding tokens, tokens/s, errors, restarts."""
-        return self._call_router("status")
+        """The router's view (`PoolStatus`) as JSON-ready data: per replica state, outstanding
+        tokens, tokens/s, errors, restarts; demand, leases, autoscaling."""
+        return self._call_router("status").to_dict()
 
     def identity(self, timeout_s: float = 600.0) -> TargetIdentity:
         """What the pool serves (checkpoint, fingerprint, layers, vocabulary, aux ids), as a
         ready replica reports it; waits up to `timeout_s` for one."""
-        info = self._call_router("target_info", timeout_s)
-        return TargetIdentity.from_dict(info["identity"])
+        return self._call_router("target_info", timeout_s).identity
 
     def client(self, config: ClientConfig | None = None) -> PoolClient:
         """A client for this process (training workers use `PoolClient.connect` instead)."""

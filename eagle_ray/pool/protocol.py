@@ -1,15 +1,89 @@
-"""What the router and its callers hand each other: leases, lease reports, and the errors the
-router raises. Imported by the router, the client and `TargetPool` alike, so none of them
-imports another for its records (nothing here imports torch)."""
+"""Every record that crosses an actor boundary in the pool, typed: what a replica reports, what
+the router grants and is told, what the controller reads and reports, the pool's status and a
+client's counters, and the router's errors. The router, the client, the replica, the controller
+and `TargetPool` import these instead of each other (nothing here imports torch or Ray).
+
+`PoolStatus.to_dict()` is the one place records become plain data: `TargetPool.status()` and
+`eagle-ray status` hand users JSON.
+"""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import collections
+import dataclasses
+import enum
+from typing import Any, NamedTuple
 
 from eagle_ray.config.loader import ConfigError
+from eagle_ray.identity import TargetIdentity
+from eagle_ray.pool.states import ReplicaState
 
-# A lease: the replica's actor name and id (the client keeps a handle per id, `RouterLink`).
+# ---------------------------------------------------------------- client <-> replica
+
+
+class RequestKind(enum.Enum):
+    """What a client asks a replica for: supervision (micro-batches leased on one replica at
+    once share a `generate_many` call, merged on the engine) or text (`complete`, a call
+    each)."""
+
+    SUPERVISION = "supervision"
+    COMPLETION = "completion"
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """A replica's engine thread (`EngineQueue`): calls, micro-batches in them, calls that merged
+    several, micro-batches queued or running now, seconds the engine ran."""
+
+    engine_calls: int = 0
+    micro_batches: int = 0
+    merged_calls: int = 0
+    inside: int = 0
+    busy_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaInfo:
+    """A replica's answer to `ready()` (the router's liveness probe): where it runs and, once its
+    backend is built, what its target accepts; `startup_error` when it could not be built."""
+
+    index: int
+    node_id: str
+    pid: int
+    startup_error: str | None = None
+    gpu_ids: list[str] = dataclasses.field(default_factory=list)
+    vocab_size: int = 0
+    max_length: int | None = None
+    aux_layer_ids: list[int] = dataclasses.field(default_factory=list)
+    identity: TargetIdentity | None = None
+    served_tokens: int = 0
+    served_micro_batches: int = 0
+    engine: EngineStats = dataclasses.field(default_factory=EngineStats)
+    max_tokens_per_engine_call: int = 0
+
+
+# ---------------------------------------------------------------- client <-> router
+
+# A lease as granted: the replica's actor name and id (the client keeps a handle per id).
 Grant = tuple[str, str]
+
+
+class LeaseRequest(NamedTuple):
+    """One micro-batch waiting for a lease: its id, tokens, and replicas it failed on."""
+
+    micro_batch_id: int
+    num_tokens: int
+    avoid: list[str]
+
+
+@dataclasses.dataclass
+class Lease:
+    """Room for `tokens` on a replica, granted by the router; passed on until `expires`."""
+
+    replica: str
+    actor_id: str
+    tokens: int
+    expires: float  # time.monotonic()
 
 
 class LeaseReport(NamedTuple):
@@ -25,6 +99,141 @@ class LeaseReport(NamedTuple):
 
 
 Releases = list[LeaseReport] | tuple[()]
+
+
+@dataclasses.dataclass
+class ClientStats:
+    """A client's counters (`PoolClient.stats`). retries: attempts re-run after a failure, of
+    which reruns_on_same_replica landed on a replica that had already failed them;
+    router_retries: calls to an unavailable router; reused_leases: micro-batches run on a lease
+    passed on from a finished one (no router call); replica_calls: calls to replicas (several
+    micro-batches can share one); served_by: results received per replica."""
+
+    submitted: int = 0
+    delivered: int = 0
+    retries: int = 0
+    reruns_on_same_replica: int = 0
+    abandoned_attempts: int = 0
+    router_retries: int = 0
+    max_inflight: int = 0
+    wait_seconds: float = 0.0
+    reused_leases: int = 0
+    replica_calls: int = 0
+    served_by: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+# ---------------------------------------------------------------- router <-> controller
+
+
+@dataclasses.dataclass(frozen=True)
+class Demand:
+    """What the autoscaling controller reads from the router: tokens leased or waiting for a
+    lease, and each replica's state and outstanding tokens."""
+
+    tokens: int
+    waiting_tokens: int
+    replicas: dict[str, tuple[ReplicaState, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingEvent:
+    """One autoscaling decision: when (epoch seconds), from and to how many replicas, why."""
+
+    at: float
+    replicas_before: int
+    replicas_after: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoscalingReport:
+    """The controller's latest view, shown in the pool's status: its bounds, replicas desired,
+    ready, starting, failed, counted and being removed, its counts so far, its last decision and
+    why it stopped adding replicas (`blocked`)."""
+
+    min_replicas: int
+    max_replicas: int
+    target_outstanding_tokens_per_replica: int
+    desired: int
+    ready: int
+    starting: int
+    failed: int
+    replicas: int
+    removing: int
+    scale_ups: int
+    scale_downs: int
+    replicas_added: int
+    replicas_removed: int
+    last_decision: ScalingEvent | None
+    blocked: str | None
+    rounds: int
+
+
+# ---------------------------------------------------------------- router -> TargetPool
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica in the pool's status."""
+
+    state: ReplicaState
+    outstanding_tokens: int
+    outstanding_micro_batches: int
+    peak_outstanding_tokens: int
+    served_tokens: int
+    served_micro_batches: int
+    tokens_per_s: float
+    on_node_share: float | None  # of its leases, the share whose client ran on its node
+    errors: int
+    restarts: int
+    node_id: str | None
+    pid: int | None
+    error: str | None  # why it could not start (state FAILED)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterProcess:
+    """The router's own process (its memory stays flat under load: tested)."""
+
+    pid: int
+    rss_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStatus:
+    """The router's view of the pool: its replicas, leases granted, router calls, locality,
+    demand, the autoscaling controller's report and the router process itself."""
+
+    replicas: dict[str, ReplicaStatus]
+    ready_replicas: int
+    leases: int
+    lease_calls: int
+    locality: bool
+    on_node_share: float | None
+    demand_tokens: int
+    autoscaling: AutoscalingReport | None
+    router: RouterProcess
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (states as their names' values)."""
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------- errors
+
+
+class MicroBatchFailed(RuntimeError):
+    """A micro-batch could not be served; the message says where it was tried and why."""
 
 
 class NoReplicaAvailable(RuntimeError):

@@ -6,6 +6,7 @@ several (`generate_many`); an `EngineQueue` feeds them to the engine, merged, fr
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -28,6 +29,7 @@ from eagle_ray.pool.failures import (
     classify,
     startup_error,
 )
+from eagle_ray.pool.protocol import ReplicaInfo
 from eagle_ray.pool.transport import Payload, batch_to_numpy
 from eagle_ray.target_batch import validate_micro_batch, validate_prompts
 from eagle_ray.target_runner import RunnerEagle3TargetModel, Sampling
@@ -127,25 +129,25 @@ class TargetReplica:
                     ray.get_runtime_context().get_node_id())
 
     @ray.method(concurrency_group="health")
-    def ready(self) -> dict[str, Any]:
+    def ready(self) -> ReplicaInfo:
         """Where this replica runs and what its target accepts (also the router's liveness
         probe; its own concurrency group, so it answers while `generate` is busy)."""
         context = ray.get_runtime_context()
         where = {"index": self.index, "node_id": context.get_node_id(), "pid": os.getpid()}
         if self.startup_error is not None:
-            return {**where, "startup_error": self.startup_error}
-        return {
+            return ReplicaInfo(**where, startup_error=self.startup_error)
+        return ReplicaInfo(
             **where,
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "vocab_size": self.backend.vocab_size,
-            "max_length": self.backend.max_length,
-            "aux_layer_ids": self.backend.aux_layer_ids,
-            "identity": self.identity.to_dict(),
-            "served_tokens": self.served_tokens,
-            "served_micro_batches": self.served_micro_batches,
-            "engine": dict(self.engine.stats),
-            "max_tokens_per_engine_call": self.engine.max_tokens,
-        }
+            gpu_ids=[str(g) for g in ray.get_gpu_ids()],
+            vocab_size=self.backend.vocab_size,
+            max_length=self.backend.max_length,
+            aux_layer_ids=list(self.backend.aux_layer_ids),
+            identity=self.identity,
+            served_tokens=self.served_tokens,
+            served_micro_batches=self.served_micro_batches,
+            engine=dataclasses.replace(self.engine.stats),
+            max_tokens_per_engine_call=self.engine.max_tokens,
+        )
 
     @ray.method(concurrency_group="generate")
     def generate(self, micro_batch_id: int, inputs: tuple[np.ndarray, np.ndarray, np.ndarray],
@@ -183,12 +185,11 @@ class TargetReplica:
         return answers
 
     @ray.method(concurrency_group="generate")
-    def complete(self, request_id: int, request: tuple[list[list[int]], dict[str, Any]]
+    def complete(self, request_id: int, request: tuple[list[list[int]], Sampling]
                  ) -> list[list[int]]:
         """Generated tokens for `(prompts, sampling)` (answer regeneration), with the same engine
         and the same error handling as `generate`."""
         prompts, sampling = request
-        sampling = Sampling(**sampling)
         validate_prompts(prompts, vocab_size=self.backend.vocab_size,
                          max_length=self.backend.max_length,
                          max_new_tokens=sampling.max_new_tokens)

@@ -11,9 +11,9 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayTaskError
 
 from eagle_ray.pool.inflight import InFlightMicroBatch
-from eagle_ray.pool.states import MicroBatchPhase
+from eagle_ray.pool.protocol import Lease, RequestKind
 
-Leased = tuple[InFlightMicroBatch, Any]  # a micro-batch and its `router_link.Lease`
+Leased = tuple[InFlightMicroBatch, Lease]  # a micro-batch and the lease it runs on
 
 
 def group_calls(leased: list[Leased], max_micro_batches: int, max_tokens: int
@@ -24,12 +24,13 @@ def group_calls(leased: list[Leased], max_micro_batches: int, max_tokens: int
     calls: list[list[Leased]] = []
     open_calls: dict[str, list[Leased]] = {}  # a replica actor's call still taking more
     for item, lease in leased:
-        call = open_calls.get(lease.actor_id) if item.method == "generate" else None
+        shared = item.kind is RequestKind.SUPERVISION
+        call = open_calls.get(lease.actor_id) if shared else None
         if (call is None or len(call) >= max_micro_batches
                 or sum(i.num_tokens for i, _ in call) + item.num_tokens > max_tokens):
             call = []
             calls.append(call)
-            if item.method == "generate":
+            if shared:
                 open_calls[lease.actor_id] = call
         call.append((item, lease))
     return calls
@@ -39,21 +40,19 @@ def start(call: list[Leased], deadline: float) -> list[InFlightMicroBatch]:
     """Mark one group of `group_calls` as running on its leases until `deadline` (one
     attempt each); its micro-batches, in order."""
     for index, (item, lease) in enumerate(call):
-        item.phase, item.lease, item.replica = MicroBatchPhase.RUNNING, lease, lease.replica
-        item.attempts, item.deadline = item.attempts + 1, deadline
-        item.call_index = index if item.method == "generate" else None
+        item.start(lease, deadline, index if item.kind is RequestKind.SUPERVISION else None)
     return [item for item, _ in call]
 
 
 def send(handle: ActorHandle, items: list[InFlightMicroBatch]) -> None:
     """Call the replica for `start`ed micro-batches: supervision in one `generate_many`, where
-    each reads its answer at its `call_index`; anything else by its own method."""
-    if items[0].method == "generate":
+    each reads its answer at its `call_index`; a completion in a `complete` call of its own."""
+    if items[0].kind is RequestKind.SUPERVISION:
         ref = handle.generate_many.remote([i.micro_batch_id for i in items],
                                           *[i.inputs for i in items])
     else:
         (item,) = items
-        ref = getattr(handle, item.method).remote(item.micro_batch_id, item.inputs)
+        ref = handle.complete.remote(item.micro_batch_id, item.inputs)
     for item in items:
         item.result_ref = ref
 

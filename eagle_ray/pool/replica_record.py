@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 from ray.actor import ActorHandle
 
+from eagle_ray.pool.protocol import ReplicaInfo, ReplicaStatus
 from eagle_ray.pool.states import ReplicaState
 
 
@@ -31,7 +31,7 @@ class ReplicaRecord:
     pid: int | None = None
     node_id: str | None = None
     first_served_at: float | None = None
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    info: ReplicaInfo | None = None  # its latest answer to `ready()`
     probing: bool = False
     named: bool = False  # seen among the named actors (a just-created one may not be yet)
 
@@ -46,19 +46,15 @@ class ReplicaRecord:
             return 0.0
         return self.served_tokens / max(time.monotonic() - self.first_served_at, 1e-6)
 
-    def summary(self) -> dict[str, Any]:
-        return {
-            "state": self.state.value,
-            "outstanding_tokens": self.outstanding_tokens,
-            "outstanding_micro_batches": self.outstanding_micro_batches,
-            "peak_outstanding_tokens": self.peak_outstanding_tokens,
-            "served_tokens": self.served_tokens,
-            "served_micro_batches": self.served_micro_batches,
-            "tokens_per_s": round(self.tokens_per_s(), 1),
-            "on_node_share": round(self.on_node_leases / self.leases, 3) if self.leases else None,
-            "errors": self.errors,
-            "restarts": self.restarts,
-            "node_id": self.node_id,
-            "pid": self.pid,
-            **({"error": self.info["startup_error"]} if "startup_error" in self.info else {}),
-        }
+    def summary(self) -> ReplicaStatus:
+        return ReplicaStatus(
+            state=self.state,
+            outstanding_tokens=self.outstanding_tokens,
+            outstanding_micro_batches=self.outstanding_micro_batches,
+            peak_outstanding_tokens=self.peak_outstanding_tokens,
+            served_tokens=self.served_tokens,
+            served_micro_batches=self.served_micro_batches,
+            tokens_per_s=round(self.tokens_per_s(), 1),
+            on_node_share=round(self.on_node_leases / self.leases, 3) if self.leases else None,
+            errors=self.errors, restarts=self.restarts, node_id=self.node_id, pid=self.pid,
+            error=self.info.startup_error if self.info is not None else None)

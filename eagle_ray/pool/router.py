@@ -16,18 +16,23 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any
 
 import psutil
 import ray
 from ray.actor import ActorHandle
 
 from eagle_ray.pool.protocol import (
+    AutoscalingReport,
+    Demand,
     Grant,
     LeaseReport,
+    LeaseRequest,
     NoReplicaAvailable,
+    PoolStatus,
     Releases,
+    ReplicaInfo,
     ReplicaStartupError,
+    RouterProcess,
 )
 from eagle_ray.pool.replica_record import ReplicaRecord
 from eagle_ray.pool.routing import choose_replica
@@ -60,7 +65,7 @@ class PoolRouter:
         self._leases = 0
         self._lease_calls = 0  # acquire_many + release_many calls (a fraction per lease)
         self._waiting_tokens = 0  # of lease requests waiting for room (part of the demand)
-        self._autoscaling: dict[str, Any] | None = None  # the controller's last report
+        self._autoscaling: AutoscalingReport | None = None  # the controller's last report
         self._last_health = 0.0  # monotonic time of the last probe of ready replicas
         self._metrics = RouterMetrics(replica_prefix.removesuffix("-replica-"))
         self._discovery = asyncio.get_event_loop().create_task(self._discover_forever())
@@ -164,15 +169,15 @@ class PoolRouter:
             return
         finally:
             replica.probing = False
-        if replica.pid is not None and info["pid"] != replica.pid:
+        if replica.pid is not None and info.pid != replica.pid:
             replica.restarts += 1
             self._metrics.restarts.inc(tags=self._metrics.replica(replica.name))
-        replica.pid, replica.node_id, replica.info = info["pid"], info["node_id"], info
+        replica.pid, replica.node_id, replica.info = info.pid, info.node_id, info
         if replica.state is ReplicaState.FAILED:
             return  # it stays so (the health rounds probe it like the others)
-        if "startup_error" in info:  # its backend could not be built: no leases, no retries
-            replica.state = ReplicaState.FAILED
-            logger.error("replica %s failed to start: %s", replica.name, info["startup_error"])
+        if info.startup_error is not None:  # its backend could not be built: no leases, no
+            replica.state = ReplicaState.FAILED  # retries
+            logger.error("replica %s failed to start: %s", replica.name, info.startup_error)
         elif replica.state in (ReplicaState.STARTING, ReplicaState.SUSPECT):
             replica.state = ReplicaState.READY
             logger.info("replica %s ready (pid %s, node %s)", replica.name, replica.pid,
@@ -191,7 +196,7 @@ class PoolRouter:
                                          client_node)
         return grants[0]
 
-    async def acquire_many(self, requests: list[tuple[int, int, list[str]]], timeout_s: float,
+    async def acquire_many(self, requests: list[LeaseRequest], timeout_s: float,
                            client_node: str | None = None, releases: Releases = (),
                            ) -> list[Grant | None]:
         """Leases for a client's waiting micro-batches `(id, tokens, replicas to avoid)`, in one
@@ -308,48 +313,41 @@ class PoolRouter:
 
     # ------------------------------------------------------------------ status
 
-    async def demand(self) -> dict[str, Any]:
+    async def demand(self) -> Demand:
         """What the autoscaling controller reads: tokens leased and waiting, and each replica's
         state and load (`pool/autoscaling.py`)."""
-        return {
-            "tokens": self._demand_tokens(),
-            "waiting_tokens": self._waiting_tokens,
-            "replicas": {name: (r.state.value, r.outstanding_tokens)
-                         for name, r in self._replicas.items()},
-        }
+        return Demand(self._demand_tokens(), self._waiting_tokens,
+                      {name: (r.state, r.outstanding_tokens)
+                       for name, r in self._replicas.items()})
 
     def _demand_tokens(self) -> int:
         return sum(r.outstanding_tokens for r in self._replicas.values()) + self._waiting_tokens
 
-    async def report_autoscaling(self, report: dict[str, Any]) -> None:
+    async def report_autoscaling(self, report: AutoscalingReport) -> None:
         """The controller's latest decision and counts, shown in `status()`."""
         self._autoscaling = report
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> PoolStatus:
         """Per replica: state, outstanding tokens, tokens/s, on-node share, errors, restarts;
         plus totals."""
         replicas = self._replicas.values()
         leases = sum(r.leases for r in replicas)
-        return {
-            "replicas": {name: r.summary() for name, r in sorted(self._replicas.items())},
-            "ready_replicas": sum(r.state is ReplicaState.READY for r in replicas),
-            "leases": self._leases,
-            "lease_calls": self._lease_calls,
-            "locality": self._locality,
-            "on_node_share": round(sum(r.on_node_leases for r in replicas) / leases, 3)
+        return PoolStatus(
+            replicas={name: r.summary() for name, r in sorted(self._replicas.items())},
+            ready_replicas=sum(r.state is ReplicaState.READY for r in replicas),
+            leases=self._leases, lease_calls=self._lease_calls, locality=self._locality,
+            on_node_share=round(sum(r.on_node_leases for r in replicas) / leases, 3)
             if leases else None,
-            "demand_tokens": self._demand_tokens(),
-            "autoscaling": self._autoscaling,
-            "router": {"pid": os.getpid(), "rss_bytes": psutil.Process().memory_info().rss},
-        }
+            demand_tokens=self._demand_tokens(), autoscaling=self._autoscaling,
+            router=RouterProcess(os.getpid(), psutil.Process().memory_info().rss))
 
-    async def target_info(self, timeout_s: float = 600.0) -> dict[str, Any]:
+    async def target_info(self, timeout_s: float = 600.0) -> ReplicaInfo:
         """What a client validates against (vocabulary, max length), from a ready replica."""
         deadline = time.monotonic() + timeout_s
         async with self._changed:
             while True:
                 for replica in self._replicas.values():
-                    if replica.state is ReplicaState.READY and replica.info:
+                    if replica.state is ReplicaState.READY and replica.info is not None:
                         return replica.info
                 self._raise_if_all_failed()
                 if not await self._wait_for_change(deadline):
@@ -357,7 +355,7 @@ class PoolRouter:
 
     def _raise_if_all_failed(self) -> None:
         """Nothing to wait for once every replica failed to start: say why, now."""
-        errors = {name: r.info["startup_error"] for name, r in self._replicas.items()
-                  if r.state is ReplicaState.FAILED}
+        errors = {name: r.info.startup_error for name, r in self._replicas.items()
+                  if r.state is ReplicaState.FAILED and r.info is not None}
         if errors and len(errors) == len(self._replicas):
             raise ReplicaStartupError.of(self._metrics.pool, errors, len(self._replicas))

@@ -12,11 +12,9 @@ after it restarts) and the granted replicas by name (once per actor).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import ray
 from ray.actor import ActorHandle
@@ -24,7 +22,14 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.pool.inflight import InFlightMicroBatch
-from eagle_ray.pool.protocol import Grant, LeaseReport, NoReplicaAvailable
+from eagle_ray.pool.protocol import (
+    Grant,
+    Lease,
+    LeaseReport,
+    LeaseRequest,
+    NoReplicaAvailable,
+    ReplicaInfo,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +39,6 @@ REPORT_INTERVAL_S = 0.5  # outcomes on leases still in use reach the router at l
 
 class RouterUnavailable(RuntimeError):
     """The router stayed unreachable for the whole lease timeout."""
-
-
-@dataclasses.dataclass
-class Lease:
-    """Room for `tokens` on a replica, granted by the router; passed on until `expires`."""
-
-    replica: str
-    actor_id: str
-    tokens: int
-    expires: float  # time.monotonic()
 
 
 class RouterLink:
@@ -61,7 +56,7 @@ class RouterLink:
 
     @classmethod
     def connect(cls, pool_name: str, namespace: str, config: ClientConfig
-                ) -> tuple[RouterLink, dict[str, Any], int]:
+                ) -> tuple[RouterLink, ReplicaInfo, int]:
         """`(link, what a replica reported, times the router was unavailable)`, waiting for a
         restarting router up to `config.lease_timeout_s`."""
         router_name = PoolConfig(name=pool_name, namespace=namespace).router_name
@@ -112,7 +107,8 @@ class RouterLink:
             reports, self._reports = self._reports, []
             self._last_sent = time.monotonic()
             ref = self.router.acquire_many.remote(
-                [(i.micro_batch_id, i.num_tokens, i.failed_on) for i in asked], timeout_s,
+                [LeaseRequest(i.micro_batch_id, i.num_tokens, i.failed_on) for i in asked],
+                timeout_s,
                 self.node_id, reports)
             for item in asked:
                 item.lease_ref = ref

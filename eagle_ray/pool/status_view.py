@@ -22,7 +22,8 @@ def format_status(name: str, status: dict[str, Any]) -> str:
                  f"down")
         last = scaling.get("last_decision")
         if last:
-            head += f"\n  last: {last['from']} -> {last['to']} ({last['reason']})"
+            head += (f"\n  last: {last['replicas_before']} -> {last['replicas_after']} "
+                     f"({last['reason']})")
     rows = [COLUMNS] + [(
         replica_name.rsplit("-", 1)[-1], r["state"], (r["node_id"] or "-")[:8],
         f"{r['tokens_per_s']:.0f}", str(r["outstanding_tokens"]), str(r["served_micro_batches"]),
