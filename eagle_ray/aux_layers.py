@@ -13,6 +13,16 @@ from collections.abc import Sequence
 from eagle_ray.target_batch import NUM_AUX_LAYERS
 
 
+class AuxLayerIds(list):
+    """Aux layer ids already checked for a target of `num_layers` layers: what
+    `validate_eagle3_aux_layer_ids` returns, so a backend's later steps (vLLM's capture ids, the
+    base class) do not check them again."""
+
+    def __init__(self, ids: Sequence[int], num_layers: int) -> None:
+        super().__init__(ids)
+        self.num_layers = num_layers
+
+
 def default_eagle3_aux_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3's low / middle / high layers in the post-layer convention: `[1, N//2 - 1, N - 4]`.
 
@@ -25,12 +35,18 @@ def default_eagle3_aux_layer_ids(num_layers: int) -> list[int]:
             f"layers [1, N//2-1, N-4] = {ids}; pass aux_layer_ids explicitly: three distinct, "
             f"ascending layer ids in [0, {num_layers})"
         )
-    return ids
+    return AuxLayerIds(ids, num_layers)
 
 
 def validate_eagle3_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
-    """Check canonical (post-layer) aux ids: three distinct ints in `[0, N)`, ascending."""
-    ids = list(ids)
+    """Check canonical (post-layer) aux ids: three distinct ints in `[0, N)`, ascending (ids
+    checked before for the same `num_layers` pass through)."""
+    if isinstance(ids, AuxLayerIds) and ids.num_layers == num_layers:
+        return ids
+    return AuxLayerIds(_check_ids(list(ids), num_layers), num_layers)
+
+
+def _check_ids(ids: list[int], num_layers: int) -> list[int]:
     if len(ids) != NUM_AUX_LAYERS:
         raise ValueError(
             f"EAGLE-3 needs exactly {NUM_AUX_LAYERS} aux layer ids, got {len(ids)}: {ids}; "

@@ -155,8 +155,11 @@ class RunnerEagle3TargetModel:
         *,
         encoding: Encoding | None = None,
         device: torch.device | str | None = None,
+        checked: bool = False,
     ) -> Eagle3TargetBatch:
         """Supervision for one right-padded micro-batch, shifted (docs/contract.md, "Shift").
+        `checked`: the caller already ran `validate_micro_batch` on these inputs in this process
+        (a pool replica checks each micro-batch before merging them), so it is not run again.
 
         Inputs may sit on the CPU or on the engine's device. Every tensor of the batch comes
         back on `device` (default: the engine's, for a co-located trainer; a pool replica asks
@@ -165,8 +168,9 @@ class RunnerEagle3TargetModel:
         encoding = _check_encoding(encoding or self.encoding, self.draft_vocab)
         if loss_mask is None:
             loss_mask = attention_mask
-        validate_micro_batch(input_ids, attention_mask, loss_mask,
-                             vocab_size=self.vocab_size, max_length=self.max_length)
+        if not checked:
+            validate_micro_batch(input_ids, attention_mask, loss_mask,
+                                 vocab_size=self.vocab_size, max_length=self.max_length)
         out = self.runner.run(input_ids, attention_mask)
         batch, seq = input_ids.shape
         if out.aux_hidden_states.shape[:2] != (batch, seq) or out.last_hidden.shape[:2] != (

@@ -51,3 +51,37 @@ def test_vllm_ids_are_pre_layer_plus_final_state():
 def test_vllm_rejects_the_last_layer_which_collides_with_the_final_state():
     with pytest.raises(ValueError, match="collides"):
         vllm_capture_layer_ids([1, 3, 7], 8)
+
+
+def test_ids_are_checked_once_per_target_and_again_for_another(monkeypatch):
+    """Validate once per hop: checked ids pass through the backend's later steps (vLLM's
+    capture ids, the base class) unchecked; the same ids for another target are checked again."""
+    from eagle_ray import aux_layers
+
+    checked = validate_eagle3_aux_layer_ids([1, 3, 4], 8)
+    assert checked == [1, 3, 4] and validate_eagle3_aux_layer_ids(checked, 8) is checked
+    assert vllm_capture_layer_ids(checked, 8) == [2, 4, 5, 8]
+    with pytest.raises(ValueError, match=r"outside \[0, 4\)"):  # control: another target
+        validate_eagle3_aux_layer_ids(checked, 4)
+    calls = []
+    real = aux_layers._check_ids
+    monkeypatch.setattr(aux_layers, "_check_ids", lambda ids, n: calls.append(n) or real(ids, n))
+    vllm_capture_layer_ids(aux_layers.resolve_eagle3_aux_layer_ids([1, 3, 4], 8), 8)
+    assert calls == [8], "one check for resolving, none for the capture ids"
+
+
+def test_a_micro_batch_checked_by_the_caller_is_not_checked_again(monkeypatch):
+    from eagle_ray import target_runner
+    from eagle_ray.config.pool import PoolConfig
+    from eagle_ray.testing import fixed_latency_target, random_micro_batch
+
+    backend = fixed_latency_target(PoolConfig(backend="eagle_ray.testing:fixed_latency_target"))
+    calls = []
+    real = target_runner.validate_micro_batch
+    monkeypatch.setattr(target_runner, "validate_micro_batch",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    batch = random_micro_batch(backend.vocab_size, (8, 5))
+    backend.generate_batch(*batch, checked=True)
+    assert calls == []
+    backend.generate_batch(*batch)  # control: unchecked input is checked
+    assert calls == [1]

@@ -122,7 +122,9 @@ class TargetReplica:
         # hands its states over in host memory: they make a trip to the GPU for it, which costs
         # less than quantising a batch on the host's cores).
         where = None if config.encoding_dtype == "fp8" else "cpu"
-        self.engine = EngineQueue(lambda mb: self.backend.generate_batch(*mb, device=where),
+        # Each micro-batch is checked once on arrival (`generate_many`), before it is merged.
+        self.engine = EngineQueue(lambda mb: self.backend.generate_batch(*mb, device=where,
+                                                                         checked=True),
                                   self._serve,
                                   config.max_tokens_per_engine_call, name=f"engine-{index}")
         logger.info("replica %d ready on node %s", index,
