@@ -211,8 +211,8 @@ def _spec_engine(model_path: str, draft_dir: str | Path, k: int, dtype: str,
     per-request acceptance counters."""
     from vllm.platforms import current_platform
 
+    from eagle_ray.backends.vllm.runner import CPU_DEFAULTS, GPU_DEFAULTS, build_llm
     from eagle_ray.tokenizer_files import serves_without_tokenizer
-    from eagle_ray.vllm_runner import CPU_DEFAULTS, GPU_DEFAULTS, build_llm
 
     kwargs = {**(CPU_DEFAULTS if current_platform.is_cpu() else GPU_DEFAULTS),
               **(engine_kwargs or {})}

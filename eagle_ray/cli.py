@@ -26,9 +26,9 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
+    from eagle_ray.backends.hf import HFEagle3TargetModel
     from eagle_ray.chat import tokenize_conversation
     from eagle_ray.data import collate
-    from eagle_ray.hf_target import HFEagle3TargetModel
     from eagle_ray.tiny import generate_chat_samples, tiny_target
 
     model_path = args.model or tiny_target(args.arch)
@@ -120,9 +120,9 @@ def _regenerate(args: argparse.Namespace) -> int:
     given bare or as regenerate.<key>."""
     import dataclasses
 
+    from eagle_ray.backends.base import Sampling
     from eagle_ray.config import JobConfig, RegenerateConfig, load_yaml
     from eagle_ray.regenerate import regenerate_file
-    from eagle_ray.target_runner import Sampling
     from eagle_ray.tokenizer_files import load_tokenizer
     from eagle_ray.train import check_paths, init_ray, job_pool
 

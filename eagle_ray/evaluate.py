@@ -21,14 +21,14 @@ from typing import Any
 import torch
 
 from eagle_ray.acceptance import answer_turn_by_turn, vllm_acceptance_table
+from eagle_ray.backends.base import Sampling
+from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.chat import stop_token_ids
 from eagle_ray.config import ConfigError, EvalConfig
 from eagle_ray.draft.export import load_exported_draft
 from eagle_ray.draft.model import Eagle3Draft
 from eagle_ray.eval_prompts import EvalPrompt, EvalPrompts, read_eval_prompts
-from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.simulate import simulate_acceptance, simulate_sampled_acceptance
-from eagle_ray.target_runner import Sampling
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 from eagle_ray.config.loader import ConfigError
 
 if TYPE_CHECKING:
+    from eagle_ray.backends.base import RunnerEagle3TargetModel
     from eagle_ray.config.pool import PoolConfig
-    from eagle_ray.target_runner import RunnerEagle3TargetModel
 
 TENSOR_SAMPLE_BYTES = 256
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version")

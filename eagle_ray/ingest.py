@@ -29,13 +29,13 @@ import ray
 import ray.data
 import torch
 
+from eagle_ray.backends.base import Sampling
 from eagle_ray.chat import conversation_key, conversation_messages
 from eagle_ray.config import ConfigError, DataConfig, JobConfig
 from eagle_ray.data import STATUSES, TRAINED, load_or_build_draft_vocab, tokenize_row
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.client import PoolClient
 from eagle_ray.supervision import DraftVocab
-from eagle_ray.target_runner import Sampling
 
 logger = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from eagle_ray.backends.base import Sampling
 from eagle_ray.chat import (
     SHAREGPT_ROLES,
     conversation_key,
@@ -38,7 +39,6 @@ from eagle_ray.chat import (
     stop_token_ids,
 )
 from eagle_ray.pool.client import MicroBatchFailed, PoolClient
-from eagle_ray.target_runner import Sampling
 
 logger = logging.getLogger(__name__)
 

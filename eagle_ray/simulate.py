@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from eagle_ray.acceptance import AcceptanceTally
+from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.draft.model import Eagle3Draft, shift_left
-from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.supervision import DraftVocab
 
 

@@ -13,14 +13,14 @@ import ray
 import torch
 from torch import nn
 
-from eagle_ray.target_head import TargetHead
-from eagle_ray.target_runner import (
+from eagle_ray.backends.base import (
     RunnerEagle3TargetModel,
     RunnerOutput,
     Sampling,
     SelfCheckError,
     TargetRunner,
 )
+from eagle_ray.target_head import TargetHead
 
 
 def random_micro_batch(vocab_size: int, lengths: tuple[int, ...] = (17, 9, 30, 4), seed: int = 0):

@@ -39,14 +39,14 @@ def qwen3_path():
 
 @pytest.fixture(scope="session")
 def hf_llama(llama_path):
-    from eagle_ray.hf_target import HFEagle3TargetModel
+    from eagle_ray.backends.hf import HFEagle3TargetModel
 
     return HFEagle3TargetModel.from_pretrained(llama_path, dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")
 def hf_qwen3(qwen3_path):
-    from eagle_ray.hf_target import HFEagle3TargetModel
+    from eagle_ray.backends.hf import HFEagle3TargetModel
 
     return HFEagle3TargetModel.from_pretrained(qwen3_path, dtype=torch.float32)
 

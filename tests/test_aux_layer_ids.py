@@ -1,6 +1,6 @@
 import pytest
 
-from eagle_ray.target_runner import (
+from eagle_ray.backends.base import (
     default_eagle3_aux_layer_ids,
     validate_eagle3_aux_layer_ids,
     vllm_capture_layer_ids,
@@ -71,7 +71,7 @@ def test_ids_are_checked_once_per_target_and_again_for_another(monkeypatch):
 
 
 def test_a_micro_batch_checked_by_the_caller_is_not_checked_again(monkeypatch):
-    from eagle_ray import target_runner
+    from eagle_ray.backends import base as target_runner
     from eagle_ray.config.pool import PoolConfig
     from eagle_ray.testing import fixed_latency_target, random_micro_batch
 

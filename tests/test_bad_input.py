@@ -5,7 +5,7 @@ test_vllm_target.py, a replica in test_pool_vllm.py.)"""
 import pytest
 import torch
 
-from eagle_ray.target_runner import Eagle3TargetBatch
+from eagle_ray.backends.base import Eagle3TargetBatch
 from eagle_ray.testing import random_micro_batch
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eagle_ray.hf_target import HFEagle3TargetModel
+from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.supervision import DraftVocab, draft_target, soft_cross_entropy
 from eagle_ray.testing import random_micro_batch
 

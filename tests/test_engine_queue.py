@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from eagle_ray.hf_target import HFEagle3TargetModel
+from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.pool.engine_queue import EngineQueue, merge_micro_batches, split_batch
 from eagle_ray.testing import random_micro_batch
 

@@ -41,7 +41,7 @@ def test_a_shared_pool_with_shorter_rows_is_refused_with_both_numbers():
 
 @pytest.mark.slow
 def test_a_llama_3_1_shaped_checkpoint_serves_with_the_job_sized_engine(tmp_path):
-    from eagle_ray.vllm_target import VLLMEagle3TargetModel
+    from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
 
     path = build_tiny_target(tmp_path / "llama-3.1-shaped", "llama")
     config = json.loads((path / "config.json").read_text())

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from eagle_ray.hf_target import HFEagle3TargetModel
+from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.testing import random_micro_batch
 from eagle_ray.tiny import MOE_ARCHITECTURES
 

@@ -14,11 +14,11 @@ PACKAGE_DIR = Path(eagle_ray.__file__).parent
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80  # a function does one thing a reader can follow
 # The vLLM KV-connector plug-in: only vLLM loads it, and it subclasses a vLLM class.
-VLLM_PLUGINS = {"eagle_ray.vllm_connector", "eagle_ray.vllm_mixtral"}  # only vLLM loads them
+VLLM_PLUGINS = {"eagle_ray.backends.vllm.connector", "eagle_ray.backends.vllm.mixtral"}
 # The contract and the HF backend: usable in any process, with neither Ray nor vLLM.
 RAY_FREE = ["eagle_ray.target_batch", "eagle_ray.aux_layers", "eagle_ray.shift",
-            "eagle_ray.supervision", "eagle_ray.target_head", "eagle_ray.target_runner",
-            "eagle_ray.hf_target", "eagle_ray.checkpoint", "eagle_ray.config", "eagle_ray.tiny"]
+            "eagle_ray.supervision", "eagle_ray.target_head", "eagle_ray.backends.base",
+            "eagle_ray.backends.hf", "eagle_ray.checkpoint", "eagle_ray.config", "eagle_ray.tiny"]
 
 BLOCK_VLLM = """
 import importlib.abc, sys
@@ -113,7 +113,8 @@ def test_contract_and_hf_backend_import_neither_ray_nor_vllm():
 
 
 def test_vllm_backend_module_does_not_import_vllm():
-    code = "import sys, eagle_ray.vllm_target, eagle_ray.vllm_runner; print('vllm' in sys.modules)"
+    code = ("import sys, eagle_ray.backends.vllm.target, eagle_ray.backends.vllm.runner; "
+            "print('vllm' in sys.modules)")
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
@@ -179,3 +180,16 @@ def test_a_replica_and_the_test_backends_start_without_transformers():
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_the_public_backend_paths_still_name_the_backends():
+    """`eagle_ray.target_runner`, `eagle_ray.hf_target` and `eagle_ray.vllm_target` are the
+    public paths; the code lives in `eagle_ray.backends` and they re-export it."""
+    from eagle_ray import hf_target, target_runner, vllm_target
+    from eagle_ray.backends import base, hf
+    from eagle_ray.backends.vllm import target
+
+    assert hf_target.HFEagle3TargetModel is hf.HFEagle3TargetModel
+    assert vllm_target.VLLMEagle3TargetModel is target.VLLMEagle3TargetModel
+    assert set(target_runner.__all__) == set(base.__all__)
+    assert all(getattr(target_runner, n) is getattr(base, n) for n in base.__all__)

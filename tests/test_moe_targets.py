@@ -9,11 +9,11 @@ import shutil
 import pytest
 import torch
 
-from eagle_ray.hf_target import HFEagle3TargetModel
-from eagle_ray.target_runner import Sampling
+from eagle_ray.backends.base import Sampling
+from eagle_ray.backends.hf import HFEagle3TargetModel
+from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
 from eagle_ray.testing import random_micro_batch
 from eagle_ray.tokenizer_files import has_tokenizer_files
-from eagle_ray.vllm_target import VLLMEagle3TargetModel
 
 from reference_checks import FP32_ATOL, assert_matches_reference
 

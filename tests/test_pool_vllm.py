@@ -7,10 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray.exceptions import RayTaskError
 
+from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
 from eagle_ray.pool import PoolConfig, TargetPool
 from eagle_ray.pool.engine_queue import merge_micro_batches, split_batch
 from eagle_ray.testing import random_micro_batch
-from eagle_ray.vllm_target import VLLMEagle3TargetModel
 
 from fuzz_inputs import as_replica_inputs, hostile_micro_batches, valid_at_a_replica
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.chat import prompt_for_turn, stop_token_ids
 from eagle_ray.data import make_micro_batches, tokenize_chats
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
 from eagle_ray.evaluate import greedy_generate
-from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.simulate import simulate_acceptance
 from eagle_ray.supervision import DraftVocab, draft_target
 from eagle_ray.tiny import generate_chat_samples, tiny_target

@@ -15,12 +15,12 @@ import torch
 from transformers import AutoTokenizer
 
 from eagle_ray.acceptance import vllm_acceptance_table
+from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.chat import read_conversations, stop_token_ids
 from eagle_ray.config import ConfigError, JobConfig, PoolConfig, load_yaml
 from eagle_ray.draft.export import exported_target
 from eagle_ray.eval_prompts import EvalPrompt
 from eagle_ray.evaluate import GreedyAnswers
-from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.identity import checkpoint_fingerprint
 from eagle_ray.pool import TargetPool
 from eagle_ray.tiny import generate_chat_samples
@@ -72,7 +72,7 @@ def job(tmp_path, *overrides: str) -> JobConfig:
 # The pool's backend per family: vLLM where no other test runs that architecture through the
 # vLLM backend inside a job (the padded Qwen3 is checked against HF in test_vllm_target, the MoE
 # ones in test_moe_targets); the HF backend elsewhere saves an engine start. vLLM serves every
-# family's export below (Mixtral through eagle_ray's vLLM plugin, eagle_ray/vllm_models.py).
+# family's export below (Mixtral through eagle_ray's vLLM plugin, backends/vllm/plugin.py).
 @pytest.mark.parametrize(("family", "backend"), [("qwen3", "hf"), ("mistral", "vllm"),
                                                  ("qwen3_moe", "vllm"), ("mixtral", "hf")])
 def test_train_export_and_serve_with_the_stock_template(local_ray, family_checkpoints, family,

@@ -12,11 +12,11 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
+from eagle_ray.backends.base import Sampling
+from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.chat import conversation_messages, prompt_for_turn, stop_token_ids
-from eagle_ray.hf_target import HFEagle3TargetModel
 from eagle_ray.pool import ClientConfig, PoolConfig, TargetPool
 from eagle_ray.regenerate import META_KEY, regenerate_file
-from eagle_ray.target_runner import Sampling
 from eagle_ray.testing import synthetic_answer
 from eagle_ray.tiny import generate_chat_samples, tiny_target
 

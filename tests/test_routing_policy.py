@@ -5,8 +5,8 @@ import dataclasses
 import itertools
 
 from eagle_ray.pool.inflight import InFlightMicroBatch
+from eagle_ray.pool.protocol import Lease, RequestKind
 from eagle_ray.pool.replica_calls import group_calls
-from eagle_ray.pool.router_link import Lease
 from eagle_ray.pool.routing import choose_replica
 from eagle_ray.pool.states import ReplicaState
 
@@ -81,9 +81,9 @@ def test_locality_never_overrides_health_or_a_failed_attempt():
 
 
 
-def leased(num_tokens: int, replica: str, method: str = "generate"):
+def leased(num_tokens: int, replica: str, kind: RequestKind = RequestKind.SUPERVISION):
     """A micro-batch (as the client records it) leased on `replica`."""
-    item = InFlightMicroBatch(next(_ids), inputs=None, num_tokens=num_tokens, method=method)
+    item = InFlightMicroBatch(next(_ids), inputs=None, num_tokens=num_tokens, kind=kind)
     return item, Lease(replica, f"actor-{replica}", num_tokens, expires=0.0)
 
 
@@ -109,6 +109,7 @@ def test_a_call_holds_at_most_its_micro_batches_and_tokens_and_a_larger_one_goes
 
 
 def test_text_generation_never_shares_a_call():
-    pairs = [leased(10, "a"), leased(10, "a", method="complete"), leased(10, "a")]
+    pairs = [leased(10, "a"), leased(10, "a", RequestKind.COMPLETION), leased(10, "a")]
     calls = group_calls(pairs, max_micro_batches=8, max_tokens=1000)
-    assert [[i.method for i, _ in c] for c in calls] == [["generate", "generate"], ["complete"]]
+    assert [[i.kind for i, _ in c] for c in calls] == [
+        [RequestKind.SUPERVISION, RequestKind.SUPERVISION], [RequestKind.COMPLETION]]

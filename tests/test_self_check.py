@@ -7,9 +7,9 @@ samples one); the check is what is tested, not the engine.
 import pytest
 import torch
 
-import eagle_ray.target_runner as target_runner
-from eagle_ray.hf_target import HFEagle3TargetModel
-from eagle_ray.target_runner import SelfCheckError, check_greedy_tokens
+import eagle_ray.backends.base as target_runner
+from eagle_ray.backends.base import SelfCheckError, check_greedy_tokens
+from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.testing import random_micro_batch
 from eagle_ray.tiny import tiny_target
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from eagle_ray.target_runner import shift_supervision
+from eagle_ray.backends.base import shift_supervision
 
 
 def test_shift_on_a_hand_written_example():

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from eagle_ray.vllm_handoff import (
+from eagle_ray.backends.vllm.handoff import (
     ShmRingHandoff,
     handoff_from_config,
     handoff_key,
@@ -139,7 +139,7 @@ def test_a_stretch_being_written_is_not_reclaimed_and_writers_copy_outside_the_l
 
 
 def test_the_ring_holds_two_of_the_longest_requests_within_a_share_of_shared_memory(tmp_path):
-    from eagle_ray.vllm_handoff import DEFAULT_CAPACITY, ring_capacity
+    from eagle_ray.backends.vllm.handoff import DEFAULT_CAPACITY, ring_capacity
 
     # Llama-3.1-8B in bf16 at the recipe's max_model_len: 4,608 tokens x 4 states x 4,096 x 2 B.
     request = 4608 * 4 * 4096 * 2

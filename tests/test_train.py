@@ -217,10 +217,10 @@ def test_sampling_near_temperature_zero_simulates_the_greedy_acceptance(trained)
     becomes its argmax, so speculative sampling accepts exactly what greedy drafting does."""
     import torch
 
+    from eagle_ray.backends.hf import HFEagle3TargetModel
     from eagle_ray.chat import prompt_for_turn, stop_token_ids
     from eagle_ray.draft.export import exported_target, load_exported_draft
     from eagle_ray.evaluate import greedy_generate
-    from eagle_ray.hf_target import HFEagle3TargetModel
     from eagle_ray.simulate import simulate_acceptance, simulate_sampled_acceptance
     from eagle_ray.tiny import generate_chat_samples
 

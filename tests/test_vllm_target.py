@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from eagle_ray.hf_target import HFEagle3TargetModel
+from eagle_ray.backends.base import RunnerEagle3TargetModel, SelfCheckError
+from eagle_ray.backends.hf import HFEagle3TargetModel
+from eagle_ray.backends.vllm.handoff import SHM_DIR, InProcessHandoff, ShmRingHandoff, ring_name
+from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
 from eagle_ray.target_head import TargetHead
-from eagle_ray.target_runner import RunnerEagle3TargetModel, SelfCheckError
 from eagle_ray.testing import random_micro_batch
-from eagle_ray.vllm_handoff import SHM_DIR, InProcessHandoff, ShmRingHandoff, ring_name
-from eagle_ray.vllm_target import VLLMEagle3TargetModel
 
 from reference_checks import assert_matches_reference
 
@@ -109,7 +109,8 @@ def test_tensor_parallel_two_with_explicit_aux_ids_equals_hf_and_sweeps_a_killed
         return {name for name in os.listdir(SHM_DIR) if name.startswith("eagle_ray-")}
     before = ours()
     # A replica SIGKILLed with its engine up leaves its ring (named with its pid) behind ...
-    subprocess.run([sys.executable, "-c", "import os; from eagle_ray.vllm_handoff import *; "
+    subprocess.run([sys.executable, "-c", "import os; "
+                    "from eagle_ray.backends.vllm.handoff import *; "
                     "choose_handoff('shm', same_process=False, key_prefix='eagle_ray-killed-'); "
                     "os.kill(os.getpid(), 9)"], check=False)
     assert len(ours() - before) == 1
@@ -156,7 +157,7 @@ def test_bfloat16_agrees_with_fp32_reference_within_bf16_precision(llama_path, h
 
 
 def test_self_check_fires_when_capture_ids_are_off_by_one(llama_path, vllm_llama):
-    from eagle_ray.vllm_runner import VLLMTargetRunner
+    from eagle_ray.backends.vllm.runner import VLLMTargetRunner
 
     ids = vllm_llama.aux_layer_ids
     n = vllm_llama.num_hidden_layers

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
+from eagle_ray.backends.base import RunnerEagle3TargetModel
 from eagle_ray.bench import best_seconds, emit
 from eagle_ray.target_batch import ENCODINGS
-from eagle_ray.target_runner import RunnerEagle3TargetModel
 from eagle_ray.testing import random_micro_batch
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def run_measured_bytes(backend: RunnerEagle3TargetModel) -> None:
 
 def run_engine_start(model_path: str) -> None:
     """vLLM engine start time, engine core in this process vs in its own process."""
-    from eagle_ray.vllm_target import VLLMEagle3TargetModel
+    from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
 
     seconds = {}
     for mode, multiprocess in (("inprocess", False), ("multiprocess", True)):
@@ -60,9 +60,9 @@ def run(model_path: str) -> None:
     """HF vs vLLM (in-process engine) on the tiny fp32 target, and the bytes of each encoding."""
     import torch
 
-    from eagle_ray.hf_target import HFEagle3TargetModel
+    from eagle_ray.backends.hf import HFEagle3TargetModel
+    from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
     from eagle_ray.supervision import DraftVocab
-    from eagle_ray.vllm_target import VLLMEagle3TargetModel
 
     hf = HFEagle3TargetModel.from_pretrained(model_path, dtype=torch.float32)
     half_vocab = DraftVocab.from_token_counts(torch.ones(hf.vocab_size), hf.vocab_size // 2)

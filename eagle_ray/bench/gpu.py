@@ -80,7 +80,7 @@ def _micro_batch(vocab: int, rows: int, seq: int) -> tuple[torch.Tensor, ...]:
 
 def hf_vs_cpu(device: torch.device, shape) -> None:
     """The HF backend on `device` equals its CPU reference (fp32), and is close in bf16."""
-    from eagle_ray.hf_target import HFEagle3TargetModel
+    from eagle_ray.backends.hf import HFEagle3TargetModel
     from eagle_ray.supervision import DraftVocab
 
     vocab = shape[5]
@@ -110,7 +110,7 @@ def hf_vs_cpu(device: torch.device, shape) -> None:
 
 def supervision(device: torch.device, shape) -> None:
     """Supervision tokens/s at the shape, returned on the device and in host memory."""
-    from eagle_ray.hf_target import HFEagle3TargetModel
+    from eagle_ray.backends.hf import HFEagle3TargetModel
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = HFEagle3TargetModel(_llama(shape, dtype, device))
@@ -191,7 +191,7 @@ def random_llama_backend(config):
     """Pool backend factory (`backend: "eagle_ray.bench.gpu:random_llama_backend"`): the HF
     backend on a random Llama built where the replica runs -- no checkpoint to write or read.
     `backend_kwargs`: `small` (tiny shape), `layers` (decoder layers kept)."""
-    from eagle_ray.hf_target import HFEagle3TargetModel
+    from eagle_ray.backends.hf import HFEagle3TargetModel
 
     options = config.backend_kwargs
     device = torch.device("cuda" if config.use_gpu else "cpu")

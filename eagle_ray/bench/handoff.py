@@ -14,8 +14,7 @@ import uuid
 
 import torch
 
-from eagle_ray.bench import best_seconds, emit
-from eagle_ray.vllm_handoff import (
+from eagle_ray.backends.vllm.handoff import (
     SHM_DIR,
     FileHandoff,
     InProcessHandoff,
@@ -23,6 +22,7 @@ from eagle_ray.vllm_handoff import (
     handoff_from_config,
     handoff_key,
 )
+from eagle_ray.bench import best_seconds, emit
 
 SHAPES = [(512, 4096, torch.bfloat16), (2048, 4096, torch.bfloat16), (512, 128, torch.float32)]
 

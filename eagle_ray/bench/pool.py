@@ -57,7 +57,7 @@ def run_overhead(model_path: str, shapes: list[tuple[int, int]], rounds: int = 3
     micro-batch at a time (`replica_concurrency: 1`, clients calling once per micro-batch: the
     design before merging), side by side; `call_each`: this replica, but one call per
     micro-batch (`max_micro_batches_per_call: 1`, the design before shared calls)."""
-    from eagle_ray.vllm_target import VLLMEagle3TargetModel
+    from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
 
     _start_ray()
     # The replicas get this machine's cores, as the in-process engine does (Ray sets the

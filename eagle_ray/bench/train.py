@@ -66,9 +66,9 @@ def run(model_path: str, steps: int = 20, rounds: int = 3, batch: int = 8, seq: 
         prefetch: int = 4) -> None:
     from transformers import AutoConfig
 
+    from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
     from eagle_ray.pool import ClientConfig, PoolConfig, TargetPool
     from eagle_ray.testing import random_micro_batch
-    from eagle_ray.vllm_target import VLLMEagle3TargetModel
 
     colocated = VLLMEagle3TargetModel.from_pretrained(model_path, dtype="float32")
     vocab = DraftVocab.from_token_counts(torch.ones(colocated.vocab_size),

@@ -27,6 +27,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from eagle_ray.backends.base import Sampling
 from eagle_ray.config.pool import ClientConfig
 from eagle_ray.pool import replica_calls
 from eagle_ray.pool.failures import FailureKind, classify
@@ -42,7 +43,6 @@ from eagle_ray.pool.router_link import ROUTER_RETRY_S, Lease, RouterLink, Router
 from eagle_ray.pool.states import MicroBatchPhase
 from eagle_ray.pool.transport import pack_inputs
 from eagle_ray.target_batch import Eagle3TargetBatch, validate_micro_batch, validate_prompts
-from eagle_ray.target_runner import Sampling
 
 logger = logging.getLogger(__name__)
 

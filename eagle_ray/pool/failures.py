@@ -14,7 +14,7 @@ import enum
 
 from ray.experimental import internal_kv
 
-from eagle_ray.target_runner import SelfCheckError
+from eagle_ray.backends.base import SelfCheckError
 
 # A replica whose process dies this many times while building its backend (an abort, a segfault,
 # the out-of-memory killer: nothing it could catch) stops trying and reports itself failed.

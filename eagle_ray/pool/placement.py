@@ -12,6 +12,7 @@ from typing import Any
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from eagle_ray.backends import engine_workers_hold_gpus
 from eagle_ray.config.pool import PoolConfig
 
 
@@ -35,14 +36,14 @@ def create_replica_placement_group(config: PoolConfig, index: int) -> PlacementG
 
 def replica_actor_options(config: PoolConfig, pg: PlacementGroup) -> dict[str, Any]:
     """Ray actor options that pin a replica to bundle 0 of its own group."""
-    engine_workers_hold_gpus = config.use_gpu and config.tp_size > 1 and config.backend == "vllm"
+    engine_holds_gpus = engine_workers_hold_gpus(config)
     env_vars = dict(config.runtime_env.get("env_vars", {}))
-    if engine_workers_hold_gpus:
+    if engine_holds_gpus:
         env_vars.setdefault("VLLM_RAY_BUNDLE_INDICES", ",".join(map(str, range(config.tp_size))))
     runtime_env = {**config.runtime_env, "env_vars": env_vars} if env_vars else config.runtime_env
     return {
         "num_cpus": config.cpus_per_bundle,
-        "num_gpus": 1 if config.use_gpu and not engine_workers_hold_gpus else 0,
+        "num_gpus": 1 if config.use_gpu and not engine_holds_gpus else 0,
         "resources": dict(config.bundle_resources),
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg,

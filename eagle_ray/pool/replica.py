@@ -7,7 +7,6 @@ several (`generate_many`); an `EngineQueue` feeds them to the engine, merged, fr
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import os
 import threading
@@ -19,6 +18,8 @@ import numpy as np
 import ray
 import torch
 
+from eagle_ray.backends import build_backend, resolve_model_path
+from eagle_ray.backends.base import Sampling
 from eagle_ray.config.pool import PoolConfig
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.engine_queue import EngineQueue
@@ -32,43 +33,8 @@ from eagle_ray.pool.failures import (
 from eagle_ray.pool.protocol import ReplicaInfo
 from eagle_ray.pool.transport import Payload, batch_to_numpy
 from eagle_ray.target_batch import validate_micro_batch, validate_prompts
-from eagle_ray.target_runner import RunnerEagle3TargetModel, Sampling
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_model_path(config: PoolConfig) -> str | None:
-    """The checkpoint a replica serves: the configured one, the built-in tiny Llama (pre-trained
-    on the kit's chat corpus) when none is configured, nothing for a factory backend."""
-    if config.model_path is not None or ":" in config.backend:
-        return config.model_path
-    from eagle_ray.tiny import tiny_target
-
-    return str(tiny_target("llama", pretrained=True))
-
-
-def build_backend(config: PoolConfig) -> RunnerEagle3TargetModel:
-    """The backend a replica owns, from the pool config."""
-    model_path = resolve_model_path(config)
-    dtype = None if config.dtype == "auto" else config.dtype
-    if config.backend == "vllm":
-        from eagle_ray.vllm_target import VLLMEagle3TargetModel
-
-        vllm_kwargs = dict(config.vllm_kwargs)
-        if config.use_gpu and config.tp_size > 1:
-            vllm_kwargs.setdefault("distributed_executor_backend", "ray")
-        return VLLMEagle3TargetModel.from_pretrained(
-            model_path, config.aux_layer_ids, dtype, tp_size=config.tp_size,
-            vllm_kwargs=vllm_kwargs, encoding=config.encoding, **config.backend_kwargs)
-    if config.backend == "hf":
-        from eagle_ray.hf_target import HFEagle3TargetModel
-
-        return HFEagle3TargetModel.from_pretrained(
-            model_path, config.aux_layer_ids, dtype, device="cuda" if config.use_gpu else None,
-            encoding=config.encoding, **config.backend_kwargs)
-    module_name, _, attr = config.backend.partition(":")
-    factory = getattr(importlib.import_module(module_name), attr)
-    return factory(config)
 
 
 def micro_batch_tensors(inputs: Any) -> list[torch.Tensor]:

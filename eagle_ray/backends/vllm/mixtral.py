@@ -1,4 +1,4 @@
-"""vLLM's Mixtral with EAGLE-3's aux hidden states (registered by `eagle_ray.vllm_models`).
+"""vLLM's Mixtral with EAGLE-3's aux hidden states (registered by `eagle_ray.backends.vllm.plugin`).
 
 The decoder loop is vLLM's own (`MixtralModel.forward`) with the aux states taken where vLLM's
 Llama and Qwen3-MoE take them: the residual stream entering each capture layer. Imported only

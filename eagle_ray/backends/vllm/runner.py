@@ -2,7 +2,7 @@
 
 `VLLMTargetRunner` builds one `vllm.LLM` whose speculative method is `extract_hidden_states`
 (capturing vLLM's pre-layer ids) and whose KV connector is eagle_ray's own
-(`eagle_ray.vllm_connector`). Per micro-batch it runs one batched `generate` with `max_tokens=1`,
+(`connector`). Per micro-batch it runs one batched `generate` with `max_tokens=1`,
 picks each request's `[num_tokens, num_ids, H]` states up from the hand-off, checks their
 length, and pads them back to `[B, S, ...]`. vLLM is imported only when an engine is built.
 """
@@ -19,20 +19,20 @@ from typing import Any
 
 import torch
 
-from eagle_ray.target_runner import RunnerOutput, Sampling, TargetRunner
-from eagle_ray.tokenizer_files import serves_without_tokenizer
-from eagle_ray.vllm_handoff import (
+from eagle_ray.backends.base import RunnerOutput, Sampling, TargetRunner
+from eagle_ray.backends.vllm.handoff import (
     CAPTURE_ARG,
     PARAMS_KEY,
     Handoff,
     choose_handoff,
     handoff_key,
 )
+from eagle_ray.tokenizer_files import serves_without_tokenizer
 
 logger = logging.getLogger(__name__)
 
 # The KV-connector plug-in that vLLM loads by module path (it imports vLLM: named, not imported).
-CONNECTOR_MODULE = "eagle_ray.vllm_connector"
+CONNECTOR_MODULE = "eagle_ray.backends.vllm.connector"
 CONNECTOR_CLASS = "EagleRayHiddenStatesConnector"
 # Set by the runner itself; passing them in vllm_kwargs would silently break the capture.
 OWNED_KWARGS = ("model", "speculative_config", "kv_transfer_config", "skip_tokenizer_init")

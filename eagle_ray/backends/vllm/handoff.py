@@ -1,6 +1,6 @@
 """Where the vLLM connector leaves captured hidden states and where the runner picks them up.
 
-Shared by `eagle_ray.vllm_connector` (writer, inside vLLM's worker) and `eagle_ray.vllm_runner`
+Shared by `connector` (writer, inside vLLM's worker) and `runner`
 (reader); plain Python and torch, so it imports without vLLM. One class per kind of hand-off,
 chosen once where the engine is built (`choose_handoff`); the writer rebuilds the same one from
 the plain dictionary it receives through vLLM's `kv_connector_extra_config` (`handoff_from_config`).
@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from eagle_ray.vllm_ring_files import (
+from eagle_ray.backends.vllm.ring_files import (
     DEFAULT_CAPACITY,
     SHM_DIR,
     TAKEN_SUFFIX,

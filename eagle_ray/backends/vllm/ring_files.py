@@ -1,4 +1,4 @@
-"""The files of the shared-memory ring hand-off (`eagle_ray.vllm_handoff.ShmRingHandoff`): their
+"""The files of the shared-memory ring hand-off (`handoff.ShmRingHandoff`): their
 names, their size, and the sweep of rings whose owner died. Imports nothing of eagle_ray."""
 
 from __future__ import annotations

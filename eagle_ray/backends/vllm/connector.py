@@ -1,6 +1,6 @@
 """vLLM KV-connector plug-in that hands captured hidden states back without a disk round trip.
 
-This module is a vLLM plug-in and is loaded only by vLLM: `eagle_ray.vllm_runner` names it in the
+This module is a vLLM plug-in and is loaded only by vLLM: `runner` (this package) names it in the
 engine config (`kv_connector_module_path` + the class name), and vLLM imports it inside the
 processes that run its scheduler and workers. It is the one eagle_ray module that imports vLLM at
 load time; nothing in eagle_ray imports it.
@@ -9,7 +9,7 @@ vLLM's `extract_hidden_states` speculative method writes the requested hidden st
 prompt token into a cache-only KV layer. When a request finishes, the scheduler side
 (`request_finished`) keeps its blocks alive and queues a save; on the next engine step the worker
 side (`get_finished` -> `_submit_async_write`) gathers the request's `[num_tokens, num_ids, H]`
-states from those blocks and publishes them through the engine's `eagle_ray.vllm_handoff.Handoff`
+states from those blocks and publishes them through the engine's `handoff.Handoff`
 (a dictionary in this process, or files in `/dev/shm`). Only TP rank 0 publishes. On CPU the gather
 is synchronous; on GPU it is an asynchronous copy to pinned memory on a side stream, and the blocks
 are released only once that copy is done.
@@ -39,7 +39,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from eagle_ray.vllm_handoff import CAPTURE_ARG, PARAMS_KEY, handoff_from_config, handoff_key
+from eagle_ray.backends.vllm.handoff import (
+    CAPTURE_ARG,
+    PARAMS_KEY,
+    handoff_from_config,
+    handoff_key,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -71,7 +76,7 @@ class EagleRayHiddenStatesConnector(ExampleHiddenStatesConnector):
         handoff = extra("handoff", None)
         if handoff is None:
             raise ValueError(f"{type(self).__name__} needs kv_connector_extra_config['handoff'] "
-                             f"(eagle_ray.vllm_runner sets it); build the engine through "
+                             f"(eagle_ray.backends.vllm.runner sets it); build the engine through "
                              f"VLLMEagle3TargetModel")
         self._handoff = handoff_from_config(handoff)
         self._engine_tag = extra("engine_tag", "default")

@@ -21,4 +21,5 @@ def register() -> None:
     from vllm.model_executor.models.mixtral import MixtralForCausalLM
 
     if not getattr(MixtralForCausalLM, "supports_eagle3", False):
-        ModelRegistry.register_model(MIXTRAL, "eagle_ray.vllm_mixtral:Eagle3MixtralForCausalLM")
+        ModelRegistry.register_model(
+            MIXTRAL, "eagle_ray.backends.vllm.mixtral:Eagle3MixtralForCausalLM")

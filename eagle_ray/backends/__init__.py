@@ -1,0 +1,60 @@
+"""Target backends: the seam every engine implements (`base`), the transformers reference (`hf`),
+vLLM (`vllm/`), and the registry that builds one from a pool config (`build_backend`), used by a
+pool replica. Importing this package imports neither torch nor an engine: each backend is
+imported when it is built, so managing a pool stays light.
+
+The public paths `eagle_ray.target_runner`, `eagle_ray.hf_target` and `eagle_ray.vllm_target`
+re-export `base`, `hf` and `vllm.target`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from eagle_ray.config.pool import PoolConfig
+
+if TYPE_CHECKING:
+    from eagle_ray.backends.base import RunnerEagle3TargetModel
+
+BUILT_IN = ("vllm", "hf")  # anything else is a `package.module:factory`
+
+
+def resolve_model_path(config: PoolConfig) -> str | None:
+    """The checkpoint a replica serves: the configured one, the built-in tiny Llama (pre-trained
+    on the kit's chat corpus) when none is configured, nothing for a factory backend."""
+    if config.model_path is not None or config.backend not in BUILT_IN:
+        return config.model_path
+    from eagle_ray.tiny import tiny_target
+
+    return str(tiny_target("llama", pretrained=True))
+
+
+def engine_workers_hold_gpus(config: PoolConfig) -> bool:
+    """Whether the backend's own engine workers take the replica's GPUs (vLLM's Ray executor with
+    TP > 1 places a worker on each bundle), so the replica actor itself must hold none."""
+    return config.use_gpu and config.tp_size > 1 and config.backend == "vllm"
+
+
+def build_backend(config: PoolConfig) -> RunnerEagle3TargetModel:
+    """The backend a replica owns, from the pool config."""
+    model_path = resolve_model_path(config)
+    dtype = None if config.dtype == "auto" else config.dtype
+    if config.backend == "vllm":
+        from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
+
+        vllm_kwargs = dict(config.vllm_kwargs)
+        if engine_workers_hold_gpus(config):
+            vllm_kwargs.setdefault("distributed_executor_backend", "ray")
+        return VLLMEagle3TargetModel.from_pretrained(
+            model_path, config.aux_layer_ids, dtype, tp_size=config.tp_size,
+            vllm_kwargs=vllm_kwargs, encoding=config.encoding, **config.backend_kwargs)
+    if config.backend == "hf":
+        from eagle_ray.backends.hf import HFEagle3TargetModel
+
+        return HFEagle3TargetModel.from_pretrained(
+            model_path, config.aux_layer_ids, dtype, device="cuda" if config.use_gpu else None,
+            encoding=config.encoding, **config.backend_kwargs)
+    module_name, _, attr = config.backend.partition(":")
+    factory = getattr(importlib.import_module(module_name), attr)
+    return factory(config)

@@ -1,0 +1,267 @@
+"""The engine seam and the engine-agnostic EAGLE-3 target backend built on it.
+
+Every target backend (transformers, vLLM, a remote pool) returns the same `Eagle3TargetBatch` for
+the same micro-batch. What differs between engines is only how the *unshifted* hidden states are
+produced; that part is a `TargetRunner`. `RunnerEagle3TargetModel` owns everything that must agree
+across engines -- input checks, the shift, the encodings, the self-check -- by calling the modules
+that hold each rule once: `target_batch` (the record and input checks), `aux_layers` (layer ids),
+`shift`, `supervision` (draft vocabulary). The contract is written down in `docs/contract.md`.
+
+This module imports neither Ray nor vLLM. It re-exports the contract's public names, so
+`from eagle_ray.target_runner import Eagle3TargetBatch` (its public path) and friends keep working.
+
+Example:
+    >>> from eagle_ray.backends.hf import HFEagle3TargetModel
+    >>> target = HFEagle3TargetModel.from_pretrained("path/to/target")    # doctest: +SKIP
+    >>> batch = target.generate_batch(input_ids, attention_mask, loss_mask)  # doctest: +SKIP
+    >>> batch.aux_hidden_states.shape  # [B, S, 3 * H]                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from eagle_ray.aux_layers import (
+    default_eagle3_aux_layer_ids,
+    resolve_eagle3_aux_layer_ids,
+    validate_eagle3_aux_layer_ids,
+    vllm_capture_layer_ids,
+)
+from eagle_ray.devices import to_device
+from eagle_ray.shift import next_position_mask, shift_supervision
+from eagle_ray.supervision import DraftVocab, draft_target_from_hidden, head_logits
+from eagle_ray.target_batch import (
+    ENCODINGS,
+    NUM_AUX_LAYERS,
+    Eagle3TargetBatch,
+    Encoding,
+    validate_micro_batch,
+    validate_prompts,
+)
+from eagle_ray.target_head import TargetHead
+
+__all__ = [
+    "ENCODINGS", "NUM_AUX_LAYERS", "Eagle3TargetBatch", "Encoding", "RunnerEagle3TargetModel",
+    "RunnerOutput", "Sampling", "SelfCheckError", "TargetRunner", "check_greedy_tokens",
+    "default_eagle3_aux_layer_ids", "next_position_mask", "resolve_eagle3_aux_layer_ids",
+    "shift_supervision", "validate_eagle3_aux_layer_ids", "validate_micro_batch",
+    "validate_prompts",
+    "vllm_capture_layer_ids",
+]
+
+
+@dataclasses.dataclass
+class RunnerOutput:
+    """Unshifted hidden states for a right-padded batch; values at pad positions are ignored."""
+
+    aux_hidden_states: torch.Tensor  # [B, S, 3H], ascending layer order
+    last_hidden: torch.Tensor  # [B, S, H], final hidden state before the final norm
+    # [B] the engine's own greedy next token after each row, when it samples one (vLLM does);
+    # the base checks it against the head applied to last_hidden (the self-check).
+    next_token_ids: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How to generate text with the target (answer regeneration). Temperature 0 is greedy."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = 0
+    stop_token_ids: tuple[int, ...] = ()  # e.g. the chat template's end-of-turn token
+
+
+class TargetRunner(abc.ABC):
+    """The engine seam: turns token ids into unshifted aux states and the pre-norm last hidden.
+
+    Called by `RunnerEagle3TargetModel.generate_batch` with a validated, right-padded batch; the
+    runner never shifts, encodes or validates ids. It captures exactly the canonical aux layer ids
+    it was built with.
+    """
+
+    @abc.abstractmethod
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RunnerOutput:
+        """Run one micro-batch through the target engine."""
+
+    def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+        """The generated tokens (stop token included, prompt excluded) for each prompt."""
+        raise NotImplementedError(f"{type(self).__name__} does not generate text")
+
+
+class RunnerEagle3TargetModel:
+    """Engine-agnostic EAGLE-3 target backend built on a `TargetRunner`.
+
+    Owns what must be identical on every engine: aux-layer defaulting and validation, input
+    checks, the shift, the target encodings, and access to the target's embedding and head.
+    """
+
+    def __init__(
+        self,
+        runner: TargetRunner,
+        *,
+        num_hidden_layers: int,
+        vocab_size: int,
+        aux_layer_ids: Sequence[int],
+        embedding: nn.Embedding,
+        head: TargetHead,
+        encoding: Encoding = "last_hidden",
+        draft_vocab: DraftVocab | None = None,
+        max_length: int | None = None,
+        self_check: bool = True,
+    ) -> None:
+        self.runner = runner
+        self.self_check = self_check
+        self.num_hidden_layers = num_hidden_layers
+        self.vocab_size = vocab_size
+        self._aux_layer_ids = validate_eagle3_aux_layer_ids(aux_layer_ids, num_hidden_layers)
+        self._embedding = embedding
+        self._head = head
+        self.max_length = max_length
+        self.draft_vocab = draft_vocab
+        self.encoding = _check_encoding(encoding, draft_vocab)
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        """Canonical (post-layer) ids of the three captured layers, ascending."""
+        return list(self._aux_layer_ids)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The target's input embedding (the draft copies it and keeps it frozen)."""
+        return self._embedding
+
+    def get_target_head(self) -> TargetHead:
+        """The target's own final norm + `lm_head`, to decode the `last_hidden` encoding."""
+        return self._head
+
+    @property
+    def device(self) -> torch.device:
+        """The engine's device: where the backend's own modules (embedding, head) live, and
+        where `generate_batch` returns supervision unless asked for another."""
+        return self._head.lm_head.weight.device
+
+    # no_grad, not inference_mode: a co-located trainer may feed the results to autograd.
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
+        *,
+        encoding: Encoding | None = None,
+        device: torch.device | str | None = None,
+        checked: bool = False,
+    ) -> Eagle3TargetBatch:
+        """Supervision for one right-padded micro-batch, shifted (docs/contract.md, "Shift").
+        `checked`: the caller already ran `validate_micro_batch` on these inputs in this process
+        (a pool replica checks each micro-batch before merging them), so it is not run again.
+
+        Inputs may sit on the CPU or on the engine's device. Every tensor of the batch comes
+        back on `device` (default: the engine's, for a co-located trainer; a pool replica asks
+        for "cpu", ready for the object store): docs/contract.md, "Where tensors live".
+        """
+        encoding = _check_encoding(encoding or self.encoding, self.draft_vocab)
+        if loss_mask is None:
+            loss_mask = attention_mask
+        if not checked:
+            validate_micro_batch(input_ids, attention_mask, loss_mask,
+                                 vocab_size=self.vocab_size, max_length=self.max_length)
+        out = self.runner.run(input_ids, attention_mask)
+        batch, seq = input_ids.shape
+        if out.aux_hidden_states.shape[:2] != (batch, seq) or out.last_hidden.shape[:2] != (
+            batch, seq
+        ):
+            raise RuntimeError(
+                f"runner {type(self.runner).__name__} returned aux "
+                f"{list(out.aux_hidden_states.shape)} and last_hidden "
+                f"{list(out.last_hidden.shape)} for a [{batch}, {seq}] batch"
+            )
+        # The shift runs where the runner left its states; the masks follow them there.
+        where = out.aux_hidden_states.device
+        input_ids, attention_mask, loss_mask = (
+            t.to(where, non_blocking=True) for t in (input_ids, attention_mask, loss_mask))
+        last_hidden = out.last_hidden.to(where, non_blocking=True)
+        if self.self_check and out.next_token_ids is not None:
+            check_greedy_tokens(out.next_token_ids, last_hidden, attention_mask, self._head)
+        fields = shift_supervision(input_ids, attention_mask, loss_mask,
+                                   out.aux_hidden_states, last_hidden)
+        last_hidden = fields.pop("last_hidden")
+        device = self.device if device is None else torch.device(device)
+        if encoding == "last_hidden":
+            return Eagle3TargetBatch(**to_device({**fields, "last_hidden": last_hidden}, device))
+        # Head-derived encodings are decoded on the head's device, a chunk of tokens at a time,
+        # straight into their place on `device`.
+        has_next = next_position_mask(attention_mask).to(device).unsqueeze(-1)
+        no_next = has_next.logical_not()  # (not `~`: see shift_left_by_one)
+        fields = to_device(fields, device)
+        if encoding == "logits":
+            logits = head_logits(last_hidden, self._head, device).masked_fill_(no_next, 0)
+            return Eagle3TargetBatch(**fields, logits=logits)
+        probs, position_mask = draft_target_from_hidden(last_hidden, self._head,
+                                                        self.draft_vocab, device)
+        return Eagle3TargetBatch(
+            **fields,
+            target_probs=probs.masked_fill_(no_next, 0),
+            position_mask=position_mask & has_next.squeeze(-1),
+        )
+
+    def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+        """Generate continuations of token-id prompts with the target (checked first)."""
+        validate_prompts(prompts, vocab_size=self.vocab_size, max_length=self.max_length,
+                         max_new_tokens=sampling.max_new_tokens)
+        return self.runner.complete(prompts, sampling)
+
+
+# Near-ties accepted by the self-check, in units of the head dtype's epsilon relative to the best
+# logit: engine and head both round bf16 logits (half an epsilon each) and accumulate in their
+# own order. 4 (3 % of the best logit in bf16) catches a capture one layer off on the tiny
+# pre-trained Llama in bf16, which 64 (half the best logit) let through
+# (tests/test_self_check.py).
+SELF_CHECK_EPS = 4
+
+
+class SelfCheckError(RuntimeError):
+    """The engine's greedy token disagrees with the head applied to the captured final state."""
+
+
+def check_greedy_tokens(next_token_ids: torch.Tensor, last_hidden: torch.Tensor,
+                        attention_mask: torch.Tensor, head: TargetHead) -> None:
+    """Each row's engine-sampled greedy token must be the argmax of `head(last_hidden[last])`.
+
+    This catches the silent failures of capture: a layer-id convention off by one, a final norm
+    applied twice or not at all, a head in the wrong dtype. Near-ties (within the precision of
+    the head's dtype) are accepted.
+    """
+    last_position = (attention_mask.sum(dim=1) - 1).view(-1, 1, 1)
+    last = last_hidden.gather(1, last_position.expand(-1, 1, last_hidden.shape[-1]))  # [B,1,H]
+    head_device = head.lm_head.weight.device
+    logits = head(last.squeeze(1).to(head_device)).float()  # [B, V]
+    best = logits.max(dim=-1).values
+    chosen = logits.gather(1, next_token_ids.to(head_device).view(-1, 1)).squeeze(1)
+    eps = torch.finfo(head.lm_head.weight.dtype).eps
+    tolerance = max(1e-4, SELF_CHECK_EPS * eps) * best.abs().clamp_min(1.0)
+    bad = torch.nonzero((chosen < best - tolerance).cpu()).flatten().tolist()  # the one read
+    if bad:
+        row = bad[0]
+        raise SelfCheckError(
+            f"self-check failed on {len(bad)} of {len(best)} rows: the engine's greedy token "
+            f"{int(next_token_ids[row])} (logit {float(chosen[row]):.4f}) is not the argmax "
+            f"{int(logits[row].argmax())} (logit {float(best[row]):.4f}) of the target head "
+            f"applied to the captured final hidden state (row {row}). Likely causes: capture "
+            "ids in the wrong layer-id convention (vLLM's are pre-layer: canonical k -> k + 1, "
+            "final state -> N), the final norm applied twice or not at all, or a dtype "
+            "mismatch between the engine and the head. Pass self_check=False only to debug."
+        )
+
+
+def _check_encoding(encoding: str, draft_vocab: DraftVocab | None) -> Encoding:
+    if encoding not in ENCODINGS:
+        raise ValueError(f"unknown target encoding {encoding!r}; choose one of {ENCODINGS}")
+    if encoding == "target_probs" and draft_vocab is None:
+        raise ValueError("the target_probs encoding needs a draft_vocab (a DraftVocab)")
+    return encoding  # type: ignore[return-value]

@@ -1,0 +1,123 @@
+"""The vLLM target backend: a real vLLM engine wrapped as an EAGLE-3 target.
+
+Importing this module does not import vLLM; `from_pretrained` does, when it builds the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig
+
+from eagle_ray.aux_layers import resolve_eagle3_aux_layer_ids, vllm_capture_layer_ids
+from eagle_ray.backends.base import RunnerEagle3TargetModel
+from eagle_ray.checkpoint import load_embedding_and_head, resolve_dtype
+from eagle_ray.supervision import DraftVocab
+from eagle_ray.target_batch import Encoding
+
+logger = logging.getLogger(__name__)
+
+
+class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
+    """EAGLE-3 target backend on a (tensor-parallel) vLLM engine.
+
+    The engine captures the aux layers and the final pre-norm hidden state through vLLM's
+    `extract_hidden_states` method; the embedding and head are read from the checkpoint
+    (never a second full model). A self-check (on by default) compares vLLM's own greedy token
+    with the head applied to the captured final state on every micro-batch.
+
+    Example:
+        >>> target = VLLMEagle3TargetModel.from_pretrained(path, dtype="bfloat16", tp_size=2,
+        ...                                                vllm_kwargs={"max_model_len": 4096})
+        ...                                                # doctest: +SKIP
+        >>> batch = target.generate_batch(input_ids, attention_mask, loss_mask)  # doctest: +SKIP
+    """
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_path: str | Path,
+        aux_layer_ids: Sequence[int] | None = None,
+        dtype: torch.dtype | str | None = None,
+        tp_size: int = 1,
+        trust_remote_code: bool = False,
+        vllm_kwargs: dict[str, Any] | None = None,
+        *,
+        encoding: Encoding = "last_hidden",
+        draft_vocab: DraftVocab | None = None,
+        self_check: bool = True,
+        multiprocess: bool | None = None,
+        handoff: str | None = None,
+        handoff_dir: str | None = None,
+        handoff_ring_bytes: int | None = None,
+    ) -> VLLMEagle3TargetModel:
+        """Build the capturing vLLM engine and read the embedding and head from the checkpoint.
+
+        Args:
+            model_path: a local HF checkpoint folder with safetensors weights.
+            aux_layer_ids: three canonical (post-layer) ids; None: `[1, N//2 - 1, N - 4]`.
+                The last decoder layer (`N - 1`) is refused (it collides with the final state).
+            dtype: a torch dtype or its name; None or "auto": the checkpoint's own.
+            tp_size: tensor-parallel ranks of the engine (on CPU each gets its share of cores).
+            trust_remote_code: passed to vLLM and transformers.
+            vllm_kwargs: passed to `vllm.LLM` untouched, over small-machine defaults
+                (`runner.CPU_DEFAULTS` / `GPU_DEFAULTS`). Keys the backend owns
+                (`model`, `speculative_config`, `kv_transfer_config`, `skip_tokenizer_init`)
+                are refused.
+            encoding: the default target encoding of `generate_batch`.
+            draft_vocab: the draft vocabulary, for the "target_probs" encoding.
+            self_check: compare vLLM's greedy token with the head over the captured final state
+                on every micro-batch (`SelfCheckError` on a mismatch); turn off only to debug.
+            multiprocess: run the engine core in its own process; None: only when `tp_size > 1`
+                (an in-process engine starts about 5x faster, but one per process).
+            handoff: how captured states come back: "inprocess" (a dictionary; in-process
+                engine, TP 1), "shm" (one persistent ring per engine in /dev/shm, read as
+                zero-copy views) or "file" (a file per request in `handoff_dir`); None: the
+                cheapest that works.
+            handoff_dir: the directory of the "file" hand-off (or of "shm", default /dev/shm).
+            handoff_ring_bytes: the "shm" ring's size (default: room for two requests of
+                `max_model_len` tokens, at least 256 MiB, at most a quarter of /dev/shm); a
+                request that finds it full goes through a file of its own.
+        """
+        from eagle_ray.backends.vllm.runner import VLLMTargetRunner
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        text_config = config.get_text_config()
+        torch_dtype = resolve_dtype(dtype, text_config)
+        num_layers = text_config.num_hidden_layers
+        aux_layer_ids = resolve_eagle3_aux_layer_ids(aux_layer_ids, num_layers)
+        capture_ids = vllm_capture_layer_ids(aux_layer_ids, num_layers)
+        embedding, head = load_embedding_and_head(model_path, torch_dtype, trust_remote_code)
+        runner = VLLMTargetRunner(
+            str(model_path), capture_ids, text_config.hidden_size, torch_dtype, tp_size=tp_size,
+            trust_remote_code=trust_remote_code, vllm_kwargs=vllm_kwargs,
+            multiprocess=multiprocess, handoff=handoff, handoff_dir=handoff_dir,
+            handoff_ring_bytes=handoff_ring_bytes,
+            max_model_len_hint=getattr(text_config, "max_position_embeddings", 0) or 0,
+        )
+        if not runner.is_cpu and torch.cuda.is_available():
+            # The head (and the self-check, and logits / target_probs decoding) on the engine's
+            # GPU, loaded after the engine has sized its KV cache; with TP > 1 over Ray the
+            # replica process may hold no GPU, and the head stays on the host.
+            head = head.to("cuda")
+        return cls(
+            runner,
+            num_hidden_layers=num_layers,
+            vocab_size=text_config.vocab_size,
+            aux_layer_ids=aux_layer_ids,
+            embedding=embedding,
+            head=head,
+            encoding=encoding,
+            draft_vocab=draft_vocab,
+            # vLLM needs room for the one sampled token after the prompt.
+            max_length=runner.max_model_len - 1,
+            self_check=self_check,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the engine and free what it holds."""
+        self.runner.shutdown()
