@@ -75,6 +75,14 @@ class TrainerStandIn:
     def stats(self) -> ClientStats:
         return copy.deepcopy(self.client.stats)
 
+    def leases_expired(self) -> bool:
+        """Whether the client holds leases and every one is past its reuse term (so the next
+        micro-batch needs the router). Read while `run()` waits on held replicas."""
+        now = time.monotonic()
+        held = [i.lease for i in list(self.client._inflight.values()) if i.lease is not None]
+        held += list(self.client._router._spares)
+        return bool(held) and all(lease.expires <= now for lease in held)
+
     def node_id(self) -> str:
         return self.client.node_id
 

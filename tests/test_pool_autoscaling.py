@@ -179,3 +179,45 @@ def test_the_pool_reports_its_series_to_prometheus(local_ray):
                    what=f"Prometheus series {expected}")
     finally:
         pool.shutdown()
+
+
+def test_a_training_workers_series_reach_prometheus_by_run_and_rank(local_ray):
+    """What each Ray Train worker reports (`TrainerMetrics`, the dashboard's trainer row), from
+    a worker process, as Prometheus reads it."""
+    workers = [TrainerMetricsWorker.remote(rank) for rank in (0, 1)]
+    ray.get([w.report.remote(1000.0 * (rank + 1), 0.25) for rank, w in enumerate(workers)],
+            timeout=TIMEOUT_S)
+    expected = {'ray_eagle_ray_trainer_supervision_tokens_per_s{rank="0"': 1000.0,
+                'ray_eagle_ray_trainer_supervision_tokens_per_s{rank="1"': 2000.0,
+                'ray_eagle_ray_trainer_pool_wait_share{rank="0"': 0.25}
+    try:  # the workers stay alive (their series with them) until the series are read
+        wait_until(lambda: all(trainer_series(local_ray, "metrics-run").get(key) == value
+                               for key, value in expected.items()),
+                   what=f"trainer series {expected}")
+    finally:
+        for worker in workers:
+            ray.kill(worker)
+
+
+@ray.remote(num_cpus=0)
+class TrainerMetricsWorker:
+    """A training worker's telemetry, as `train_loop` reports it."""
+
+    def __init__(self, rank: int) -> None:
+        from eagle_ray.pool.telemetry import TrainerMetrics
+
+        self.metrics = TrainerMetrics("metrics-run", rank)
+
+    def report(self, tokens_per_s: float, pool_wait_share: float) -> None:
+        self.metrics.report(tokens_per_s, pool_wait_share)
+
+
+def trainer_series(url: str, run: str) -> dict[str, float]:
+    """`{'name{rank="r"': value}` of one run's trainer series from a Prometheus endpoint."""
+    values = {}
+    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+        if line.startswith("ray_eagle_ray_trainer_") and f'run="{run}"' in line:
+            name, labels = line.split("{")[0], line.split("{")[1].split("}")[0]
+            rank = next(p for p in labels.split(",") if p.startswith("rank="))
+            values[f"{name}{{{rank}"] = float(line.rsplit(" ", 1)[1])
+    return values

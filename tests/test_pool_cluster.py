@@ -155,24 +155,31 @@ def test_a_client_connects_while_the_router_restarts(cluster, caplog):
         pool.shutdown()
 
 
-def test_a_router_outage_mid_stream_loses_no_result_and_clients_recover(cluster, tmp_path):
+@pytest.mark.parametrize("reuse", ["fresh-leases", "default-reuse"])
+def test_a_router_outage_mid_stream_loses_no_result_and_clients_recover(cluster, tmp_path,
+                                                                         reuse):
     home = router_home(cluster)
     cluster.wait_for_nodes()
     gate = tmp_path / "hold"
     gate.touch()
-    pool = synthetic_pool("router-outage", router_resources={"router_home": 0.01},
+    name = f"router-outage-{reuse}"
+    pool = synthetic_pool(name, router_resources={"router_home": 0.01},
                           backend_kwargs={"hold_while": str(gate)})
     try:
-        # Leases are not passed on (lease_reuse_s 0): every micro-batch after the window needs
-        # the router, so the clients meet the outage (with reuse they ride over a short one).
+        # fresh-leases (lease_reuse_s 0): every micro-batch after the window needs the router.
+        # default-reuse (5 s): leases pass on, so the replicas hold the windows until every
+        # lease is past its term; then the next micro-batches need the router as well.
+        reuse_s = {"lease_reuse_s": 0} if reuse == "fresh-leases" else {}
         trainers = [TrainerStandIn.options(resources={"head": 1}).remote(
-            "router-outage", max_inflight_micro_batches=4, lease_reuse_s=0) for _ in range(2)]
+            name, max_inflight_micro_batches=4, **reuse_s) for _ in range(2)]
         runs = [t.run.remote(20, seed=50 + s) for s, t in enumerate(trainers)]
         # Both windows are leased and held on the replicas; the rest needs the router.
         wait_until(lambda: sum(r["outstanding_micro_batches"]
                                for r in pool.status()["replicas"].values()) == 8,
                    what="both clients' windows leased")
         cluster.remove_node(home)
+        wait_until(lambda: all(ray.get([t.leases_expired.remote() for t in trainers],
+                                       timeout=TIMEOUT_S)), what="every held lease expired")
         gate.unlink()
         wait_until(lambda: all(ray.get(t.stats.remote(), timeout=TIMEOUT_S).router_retries
                                >= 1 for t in trainers), what="both clients retrying the router")

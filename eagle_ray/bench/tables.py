@@ -40,7 +40,7 @@ def description(which: str) -> str:
 
 def rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per result line, its figures over all runs: value and ratio as lists, the fields
-    every run agrees on as `parameters`, numeric fields that differ as `measured` lists."""
+    that identify it as `parameters`, the other numeric fields as `measured` lists."""
     keyed: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for run in runs:
         seen: dict[str, int] = {}
@@ -53,7 +53,11 @@ def rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             raise StaleResults(f"{metric}: in {len(records)} of {len(runs)} runs; runs with "
                                f"different options share a folder")
         extra = {k for r in records for k in r} - RUN_FIELDS
-        same = {k for k in extra if all(r.get(k) == records[0].get(k) for r in records)}
+        # What identifies the row (a shape, a path, a count of clients) is a string, a flag or
+        # an integer every run agrees on; anything else is something the run measured.
+        same = {k for k in extra if all(r.get(k) == records[0].get(k) for r in records)
+                and (records[0].get(k) is None
+                     or isinstance(records[0][k], str | bool | int))}
         table.append({
             "metric": metric, "unit": records[0]["unit"],
             "values": [r["value"] for r in records],
