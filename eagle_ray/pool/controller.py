@@ -21,7 +21,7 @@ from ray.actor import ActorHandle
 from eagle_ray.config.pool import PoolConfig
 from eagle_ray.pool.autoscaling import AutoscalingPolicy, ScalingDecision
 from eagle_ray.pool.protocol import AutoscalingReport, ScalingEvent
-from eagle_ray.pool.replicas import kill_replica, start_replica
+from eagle_ray.pool.replicas import kill_replica, replica_index, start_replica
 from eagle_ray.pool.states import ReplicaState
 from eagle_ray.pool.telemetry import ControllerMetrics
 
@@ -117,7 +117,7 @@ class PoolController:
             self._removing.discard(name)
 
     def _index(self, name: str) -> int:
-        return int(name[len(self._config.replica_prefix):])
+        return replica_index(name, self._config.replica_prefix)
 
     async def _report(self, demand_tokens: int, supply: Supply,
                       failed: int) -> None:

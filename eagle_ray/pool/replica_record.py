@@ -28,12 +28,18 @@ class ReplicaRecord:
     on_node_leases: int = 0  # leases to a client on this replica's node (docs/architecture.md)
     errors: int = 0
     restarts: int = 0
-    pid: int | None = None
-    node_id: str | None = None
     first_served_at: float | None = None
     info: ReplicaInfo | None = None  # its latest answer to `ready()`
     probing: bool = False
     named: bool = False  # seen among the named actors (a just-created one may not be yet)
+
+    @property
+    def pid(self) -> int | None:
+        return self.info.pid if self.info is not None else None
+
+    @property
+    def node_id(self) -> str | None:
+        return self.info.node_id if self.info is not None else None
 
     @property
     def actor_id(self) -> str:

@@ -60,12 +60,20 @@ def kill_replica(config: PoolConfig, index: int) -> None:
         pass
 
 
+def live_replica_names(prefix: str, namespace: str) -> list[str]:
+    """Names of a pool's replica actors alive on the cluster (`PoolConfig.replica_prefix`)."""
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == namespace and a["name"].startswith(prefix)]
+
+
+def replica_index(name: str, prefix: str) -> int:
+    return int(name[len(prefix):])
+
+
 def replica_indices(config: PoolConfig) -> list[int]:
     """Indices of the pool's replicas alive on the cluster (found by actor name)."""
-    prefix = config.replica_prefix
-    return sorted(int(a["name"][len(prefix):])
-                  for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == config.namespace and a["name"].startswith(prefix))
+    return sorted(replica_index(name, config.replica_prefix)
+                  for name in live_replica_names(config.replica_prefix, config.namespace))
 
 
 def pending_placement_groups(config: PoolConfig) -> int:

@@ -35,6 +35,7 @@ from eagle_ray.pool.protocol import (
     RouterProcess,
 )
 from eagle_ray.pool.replica_record import ReplicaRecord
+from eagle_ray.pool.replicas import live_replica_names, replica_index
 from eagle_ray.pool.routing import choose_replica
 from eagle_ray.pool.states import ReplicaState
 from eagle_ray.pool.telemetry import RouterMetrics
@@ -85,11 +86,9 @@ class PoolRouter:
         allocator `TargetPool.add_replica` and the autoscaling controller share, so a manual add
         after an autoscale-up gets a fresh name. After a router restart, live names (and the
         replicas adopted) seed it again. Repeating a call only skips an index."""
-        actors = await asyncio.to_thread(ray.util.list_named_actors, True)
-        names = [a["name"] for a in actors if a["namespace"] == self._namespace]
-        suffixes = [n[len(self._prefix):] for n in [*names, *self._replicas]
-                    if n.startswith(self._prefix)]
-        index = max([self._next_index, *(int(s) + 1 for s in suffixes if s.isdigit())])
+        alive = await asyncio.to_thread(live_replica_names, self._prefix, self._namespace)
+        index = max([self._next_index, *(replica_index(name, self._prefix) + 1
+                                         for name in [*alive, *self._replicas])])
         self._next_index = index + 1
         return index
 
@@ -119,9 +118,8 @@ class PoolRouter:
         """Adopt replicas by name (after a router restart) and probe the ones not ready."""
         while True:
             try:
-                actors = await asyncio.to_thread(ray.util.list_named_actors, True)
-                alive = {a["name"] for a in actors if a["namespace"] == self._namespace
-                         and a["name"].startswith(self._prefix)}
+                alive = set(await asyncio.to_thread(live_replica_names, self._prefix,
+                                                    self._namespace))
                 for name in sorted(alive - set(self._replicas) - self._removed):
                     await self.add_replica(name)
                 for name, replica in list(self._replicas.items()):
@@ -172,7 +170,7 @@ class PoolRouter:
         if replica.pid is not None and info.pid != replica.pid:
             replica.restarts += 1
             self._metrics.restarts.inc(tags=self._metrics.replica(replica.name))
-        replica.pid, replica.node_id, replica.info = info.pid, info.node_id, info
+        replica.info = info
         if replica.state is ReplicaState.FAILED:
             return  # it stays so (the health rounds probe it like the others)
         if info.startup_error is not None:  # its backend could not be built: no leases, no
