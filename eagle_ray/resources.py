@@ -52,17 +52,13 @@ class Capacity:
 def job_demands(config: JobConfig, with_pool: bool = True) -> list[Demand]:
     """What `config` will ask Ray for: the replicas it starts (none when it joins a shared pool
     or, `with_pool=False`, reads a supervision cache) and the trainer's workers."""
-    from eagle_ray.pool.placement import replica_bundles
+    from eagle_ray.pool.placement import replica_bundle
 
     demands = []
     if with_pool and not config.use_shared_pool:
-        bundles = replica_bundles(config.target)
-        # STRICT_PACK puts a replica's TP bundles on one node; other strategies may spread them.
-        units = [_total(bundles)] if config.target.placement_strategy == "STRICT_PACK" \
-            else bundles
-        demands += [Demand(f"target replica {i}", unit,
+        demands += [Demand(f"target replica {i}", replica_bundle(config.target),
                            "target.tp_size / cpus_per_bundle / use_gpu / bundle_resources")
-                    for i in range(config.target.initial_replicas) for unit in units]
+                    for i in range(config.target.initial_replicas)]
     train = config.train
     worker = {"CPU": train.cpus_per_worker, **({"GPU": 1.0} if train.use_gpu else {}),
               **train.worker_resources}

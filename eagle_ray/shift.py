@@ -6,6 +6,8 @@ slot, padding included (docs/contract.md, "Shift").
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -37,15 +39,49 @@ def shift_supervision(
     """
     valid = attention_mask.bool()
     has_next = next_position_mask(attention_mask)
-
-    def shift_left(x: torch.Tensor) -> torch.Tensor:
-        mask = has_next if x.dim() == 2 else has_next.unsqueeze(-1)
-        return shift_left_by_one(x).masked_fill_(mask.logical_not(), 0)
-
     return {
         "aux_hidden_states": aux_hidden_states.masked_fill_(valid.logical_not().unsqueeze(-1), 0),
-        "input_ids": shift_left(input_ids.long()),
+        **_shift_tokens(input_ids, attention_mask, loss_mask),
+        "last_hidden": shift_left_by_one(last_hidden).masked_fill_(
+            has_next.logical_not().unsqueeze(-1), 0),
+    }
+
+
+def shift_captured_rows(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    rows: list[torch.Tensor],
+    empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """`shift_supervision` for states captured row by row in host memory: row `i` is
+    `[n_i, L + 1, H]`, its `L` aux layers then the final pre-norm state at each of its `n_i`
+    tokens (vLLM's capture layout). Each value is copied once, straight into its shifted slot of
+    the batch, and only padding is zeroed: no padded copy first, no temporaries (an 8B engine
+    call of 16,384 tokens captures 512 MiB; this is the host's whole share of it). `empty(shape,
+    dtype)` allocates the two outputs (default `torch.empty`; a replica reuses its buffers)."""
+    batch, seq = input_ids.shape
+    _, slots, hidden = rows[0].shape
+    num_aux = slots - 1
+    empty = empty or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    aux = empty((batch, seq, num_aux * hidden), rows[0].dtype)
+    last = empty((batch, seq, hidden), rows[0].dtype)
+    for row, states in enumerate(rows):
+        n = states.shape[0]
+        aux[row, :n].view(n, num_aux, hidden).copy_(states[:, :num_aux])
+        aux[row, n:].zero_()
+        last[row, :n - 1].copy_(states[1:, num_aux])  # slot t holds the state at t + 1
+        last[row, n - 1:].zero_()
+    return {"aux_hidden_states": aux, **_shift_tokens(input_ids, attention_mask, loss_mask),
+            "last_hidden": last}
+
+
+def _shift_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The shifted ids and loss mask, and the unshifted attention mask."""
+    no_next = next_position_mask(attention_mask).logical_not()
+    return {
+        "input_ids": shift_left_by_one(input_ids.long()).masked_fill_(no_next, 0),
         "attention_mask": attention_mask.long(),
-        "loss_mask": shift_left(loss_mask.long()),
-        "last_hidden": shift_left(last_hidden),
+        "loss_mask": shift_left_by_one(loss_mask.long()).masked_fill_(no_next, 0),
     }

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eagle_ray.devices import finish_copies
+from eagle_ray.devices import hand_over
 from eagle_ray.target_batch import Eagle3TargetBatch
 
 if TYPE_CHECKING:
@@ -131,15 +131,14 @@ def _decode_in_chunks(last_hidden: torch.Tensor, head: TargetHead,
     head_device = head.lm_head.weight.device
     lead = last_hidden.shape[:-1]
     flat = last_hidden.reshape(-1, last_hidden.shape[-1])
-    # Each chunk's results leave the head's device as soon as they exist (a GPU-to-host copy
-    # goes to pinned memory, non-blocking); one wait for all of them.
-    chunks = [tuple(part.to(device, non_blocking=True)
-                    for part in decode(head(chunk.to(head_device, non_blocking=True))))
-              for chunk in flat.split(HEAD_CHUNK_TOKENS)]
-    if device != head_device:
-        finish_copies(head_device)
-    outputs = [parts[0] if len(parts) == 1 else torch.cat(parts)
-               for parts in zip(*chunks, strict=True)]
+    # Each chunk's results leave the head's device as soon as they exist (its memory is reused
+    # by the next chunk); `hand_over` returns once every copy has landed.
+    chunks = flat.split(HEAD_CHUNK_TOKENS)
+    parts = hand_over((part for chunk in chunks
+                       for part in decode(head(hand_over([chunk], head_device)[0]))), device)
+    per_chunk = len(parts) // len(chunks)  # decode's outputs, interleaved chunk by chunk
+    outputs = [parts[i] if len(chunks) == 1 else torch.cat(parts[i::per_chunk])
+               for i in range(per_chunk)]
     return tuple(out.reshape(*lead, *out.shape[1:]) for out in outputs)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
+from eagle_ray.devices import HandOver, start_hand_over
 from eagle_ray.target_batch import Eagle3TargetBatch
 
 PRECISIONS: tuple[str, ...] = ("auto", "bf16", "fp32")  # `train.precision`
@@ -35,38 +36,28 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
 
 class DevicePrefetcher:
-    """`(host batch, device batch)` pairs; on a GPU the next batch's copy (pinned, non-blocking,
-    on a side stream) overlaps the current step. Host batches stay for host-side statistics
-    (token counts), which then cost no device sync."""
+    """`(host batch, device batch)` pairs; on a GPU the next batch's copy (pinned, on a side
+    stream: `devices.start_hand_over`) overlaps the current step. Host batches stay for
+    host-side statistics (token counts), which then cost no device sync."""
 
     def __init__(self, batches: Iterator[Eagle3TargetBatch], device: torch.device) -> None:
         self.batches = batches
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._ahead: tuple[Eagle3TargetBatch, Eagle3TargetBatch] | None = None
+        self._ahead: tuple[Eagle3TargetBatch, HandOver] | None = None
 
     def __iter__(self) -> DevicePrefetcher:
         return self
 
     def __next__(self) -> tuple[Eagle3TargetBatch, Eagle3TargetBatch]:
-        if self.stream is None:
-            host = next(self.batches)
-            return host, host.to(self.device)
-        current = self._ahead or self._start_copy(next(self.batches))
-        compute = torch.cuda.current_stream(self.device)
-        compute.wait_stream(self.stream)
-        for tensor in current[1].tensors().values():
-            tensor.record_stream(compute)  # allocated on the side stream, used on this one
+        host, copies = self._ahead or self._start_copy(next(self.batches))
         self._ahead = None
+        device = Eagle3TargetBatch(**dict(zip(host.tensors(), copies.result(), strict=True)))
         try:
             self._ahead = self._start_copy(next(self.batches))
         except StopIteration:
             pass
-        return current
-
-    def _start_copy(self, host: Eagle3TargetBatch) -> tuple[Eagle3TargetBatch, Eagle3TargetBatch]:
-        pinned = Eagle3TargetBatch(**{k: v.pin_memory() for k, v in host.tensors().items()})
-        with torch.cuda.stream(self.stream):
-            device = Eagle3TargetBatch(**{k: v.to(self.device, non_blocking=True)
-                                          for k, v in pinned.tensors().items()})
         return host, device
+
+    def _start_copy(self, host: Eagle3TargetBatch) -> tuple[Eagle3TargetBatch, HandOver]:
+        return host, start_hand_over(host.tensors().values(), self.device, self.stream)

@@ -39,15 +39,30 @@ class GpuRunner(TargetRunner):
 
     def __init__(self, greedy: bool) -> None:
         self.greedy = greedy
-        self.input_devices: list[torch.device] = []
 
     def run(self, input_ids, attention_mask):
-        self.input_devices.append(input_ids.device)
         batch, seq = input_ids.shape
         return RunnerOutput(
             aux_hidden_states=torch.empty(batch, seq, 3 * HIDDEN, device="cuda"),
             last_hidden=torch.empty(batch, seq, HIDDEN, device="cuda"),
             next_token_ids=torch.zeros(batch, dtype=torch.long) if self.greedy else None)
+
+
+class VllmLayoutRunner(TargetRunner):
+    """vLLM's layout on a GPU: the engine's states come back in host memory, row by row (its
+    connector copies them out of the KV cache), while the head lives on the GPU."""
+
+    def __init__(self, greedy: bool) -> None:
+        self.greedy = greedy
+
+    def run(self, input_ids, attention_mask):
+        batch, seq = input_ids.shape
+        return RunnerOutput(
+            rows=[torch.empty(seq, 4, HIDDEN) for _ in range(batch)],
+            next_token_ids=torch.zeros(batch, dtype=torch.long) if self.greedy else None)
+
+
+LAYOUTS = {"states_on_gpu": GpuRunner, "vllm_states_in_host_memory": VllmLayoutRunner}
 
 
 @pytest.fixture
@@ -58,10 +73,11 @@ def fake_gpu(monkeypatch):
         yield
 
 
-def gpu_backend(greedy: bool = False) -> RunnerEagle3TargetModel:
+def gpu_backend(greedy: bool = False, layout: str = "states_on_gpu") -> RunnerEagle3TargetModel:
     head = TargetHead(on_fake_gpu(nn.RMSNorm(HIDDEN)), on_fake_gpu(nn.Linear(HIDDEN, VOCAB)))
     return RunnerEagle3TargetModel(
-        GpuRunner(greedy), num_hidden_layers=LAYERS, vocab_size=VOCAB, aux_layer_ids=[1, 3, 4],
+        LAYOUTS[layout](greedy), num_hidden_layers=LAYERS, vocab_size=VOCAB,
+        aux_layer_ids=[1, 3, 4],
         embedding=on_fake_gpu(nn.Embedding(VOCAB, HIDDEN)), head=head,
         draft_vocab=DRAFT_VOCAB, self_check=greedy)
 
@@ -71,11 +87,12 @@ def micro_batch(device: str):
     return input_ids, torch.ones_like(input_ids), torch.ones_like(input_ids)
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("encoding", ["last_hidden", "logits", "target_probs"])
 @pytest.mark.parametrize("inputs_on", ["cpu", "cuda"])
 @pytest.mark.parametrize("wanted", [None, "cpu"])  # the engine's device (co-located), the host
-def test_every_encoding_comes_back_on_one_device(fake_gpu, encoding, inputs_on, wanted):
-    backend = gpu_backend()
+def test_every_encoding_comes_back_on_one_device(fake_gpu, layout, encoding, inputs_on, wanted):
+    backend = gpu_backend(layout=layout)
     batch = backend.generate_batch(*micro_batch(inputs_on), encoding=encoding, device=wanted)
     expected = torch.device(wanted or "cuda")
     assert backend.device.type == "cuda"
@@ -84,13 +101,15 @@ def test_every_encoding_comes_back_on_one_device(fake_gpu, encoding, inputs_on, 
     assert batch.encoding == encoding
 
 
-def test_the_self_check_reads_the_head_on_the_engines_device(fake_gpu):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("inputs_on", ["cpu", "cuda"])
+def test_the_self_check_reads_the_head_on_the_engines_device(fake_gpu, layout, inputs_on):
     """Every tensor op of the self-check runs on one device; only its verdict, a read of the
     data, is beyond fake tensors (which hold none)."""
     from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
     with pytest.raises(DynamicOutputShapeException):  # which rows failed: data it cannot hold
-        gpu_backend(greedy=True).generate_batch(*micro_batch("cpu"))
+        gpu_backend(greedy=True, layout=layout).generate_batch(*micro_batch(inputs_on))
 
 
 def test_fp8_is_quantised_on_the_gpu_and_lands_in_host_memory(fake_gpu):
@@ -127,3 +146,113 @@ def test_the_fake_gpu_catches_a_device_mix_up(fake_gpu):
     states = torch.empty(3, 7, HIDDEN, device="cuda")
     with pytest.raises(RuntimeError, match="device"):
         states.masked_fill_(torch.ones(3, 7, 1, dtype=torch.bool), 0)
+
+
+class RecordedCuda:
+    """Stands in for the CUDA runtime calls `eagle_ray.devices` makes, recording them: which
+    streams events are recorded on, which events the host waits for, device-wide syncs."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+        recorded = self
+
+        class Event:
+            def record(self, stream=None):
+                self.stream = stream or "current"
+                recorded.log.append(("record", self.stream))
+
+            def synchronize(self):
+                recorded.log.append(("host waits", self.stream))
+
+        self.Event = Event
+
+    def current_stream(self, device=None):
+        return f"stream of {device}"
+
+    def synchronize(self, device=None):
+        self.log.append(("device-wide sync", str(device)))
+
+
+@pytest.fixture
+def recorded_cuda(fake_gpu, monkeypatch):
+    """Fake CUDA tensors with the copy bookkeeping of a real GPU: `devices` sees a GPU and its
+    CUDA calls are recorded."""
+    import eagle_ray.devices as devices
+
+    cuda = RecordedCuda()
+    monkeypatch.setattr(devices, "_real_gpu", lambda device: device.type == "cuda")
+    monkeypatch.setattr(torch.cuda, "Event", cuda.Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", cuda.current_stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", cuda.synchronize)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)  # a CPU build cannot pin
+    return cuda
+
+
+def test_a_copy_to_the_host_returns_only_once_an_event_behind_it_has_fired(recorded_cuda):
+    from eagle_ray.devices import hand_over
+
+    on_gpu = [torch.empty(4, 8, device="cuda"), torch.empty(4, device="cuda")]
+    moved = hand_over(on_gpu + [torch.empty(3)], "cpu")
+    assert [t.device.type for t in moved] == ["cpu"] * 3
+    # One event per hop (the source's stream), waited for by the host; nothing device-wide.
+    assert recorded_cuda.log == [("record", "stream of cuda:0"), ("host waits",
+                                                                  "stream of cuda:0")]
+
+
+def test_a_copy_to_the_gpu_and_a_copy_that_is_not_one_wait_for_nothing(recorded_cuda):
+    from eagle_ray.devices import hand_over
+
+    moved = hand_over([torch.empty(4, 8), torch.empty(2, device="cuda")], "cuda:0")
+    assert [t.device.type for t in moved] == ["cuda", "cuda"]
+    assert recorded_cuda.log == [], "the GPU's stream orders what reads a host-to-device copy"
+
+
+def test_the_vllm_layout_waits_for_its_copies_before_the_host_reads_them(recorded_cuda):
+    """Inputs on the GPU, states in host memory (vLLM): the inputs' copy to the host, where the
+    shift runs, has landed before the shift reads it; so have the decoded logits'."""
+    backend = gpu_backend(layout="vllm_states_in_host_memory")
+    backend.generate_batch(*micro_batch("cuda"), encoding="logits", device="cpu")
+    waits = [entry for entry in recorded_cuda.log if entry[0] == "host waits"]
+    assert len(waits) == 2, recorded_cuda.log  # the inputs, then the decoded logits
+    assert not [entry for entry in recorded_cuda.log if entry[0] == "device-wide sync"]
+
+
+def test_no_module_but_devices_issues_a_non_blocking_copy():
+    """Every asynchronous copy goes through `eagle_ray.devices`, which waits for it."""
+    from pathlib import Path
+
+    import eagle_ray
+
+    package = Path(eagle_ray.__file__).parent
+    offenders = [str(path.relative_to(package)) for path in package.rglob("*.py")
+                 if "non_blocking" in path.read_text() and path.name != "devices.py"]
+    assert offenders == []
+
+
+def test_host_buffers_are_reused_only_once_nothing_views_them():
+    """What a replica shifts supervision into: the same memory again for the next batch, but
+    never while Ray may still read the last one (a numpy array derived from it)."""
+    from eagle_ray.devices import HostBuffers
+
+    buffers = HostBuffers(max_buffers=2)
+    first = buffers.empty((4, 8), torch.bfloat16)
+    address = first.data_ptr()
+    as_numpy = first.view(torch.int16).numpy()  # what `batch_to_numpy` hands Ray
+    del first
+    second = buffers.empty((4, 8), torch.bfloat16)
+    assert second.data_ptr() != address, "still viewed by the array"
+    del as_numpy
+    third = buffers.empty((2, 8), torch.float32)  # as many bytes or fewer: the idle buffer
+    assert third.data_ptr() == address and third.shape == (2, 8)
+    assert buffers.empty((4, 8), torch.bfloat16).data_ptr() not in (address, second.data_ptr())
+
+
+def test_host_buffers_hand_out_the_smallest_idle_buffer_that_fits():
+    from eagle_ray.devices import HostBuffers
+
+    buffers = HostBuffers(max_buffers=3)
+    small, large = buffers.empty((8,), torch.float32), buffers.empty((16,), torch.float32)
+    addresses = small.data_ptr(), large.data_ptr()
+    del small, large
+    kept = [buffers.empty((5,), torch.float32), buffers.empty((12,), torch.float32)]
+    assert tuple(t.data_ptr() for t in kept) == addresses

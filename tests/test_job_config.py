@@ -32,6 +32,20 @@ def test_wrong_type_names_the_key():
         from_dict(JobConfig, {"target": {"encoding": "probs"}})
 
 
+@pytest.mark.parametrize(("vllm_kwargs", "tp_size", "words"), [
+    ({"enable_prefix_caching": True}, 1, "enable_prefix_caching=True: a cached prefix"),
+    ({"distributed_executor_backend": "ray"}, 2, "distributed_executor_backend='ray'"),
+    ({"kv_transfer_config": {}}, 1, "may not set"),
+])
+def test_engine_arguments_the_capture_cannot_take_fail_as_the_config_loads(vllm_kwargs, tp_size,
+                                                                          words):
+    with pytest.raises(ConfigError, match=f"target.vllm_kwargs {words}"):
+        from_dict(JobConfig, {"target": {"vllm_kwargs": vllm_kwargs, "tp_size": tp_size}})
+    # The control: the same keys are fine where the capture does not meet them.
+    from_dict(JobConfig, {"target": {"vllm_kwargs": {"enable_prefix_caching": False,
+                                                     "distributed_executor_backend": "ray"}}})
+
+
 def test_missing_model_path_is_a_clear_error(tmp_path):
     config = from_dict(JobConfig, {"target": {"model_path": str(tmp_path / "nope")}})
     with pytest.raises(ConfigError, match="is not a model folder"):

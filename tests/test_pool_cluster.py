@@ -69,7 +69,7 @@ def test_replicas_pack_on_one_node_each_and_an_unfitting_one_waits(cluster):
         for index in range(3):
             state, bundle_nodes = replica_placement(pool.config.replica_name(index))
             if state == "CREATED":
-                assert len(bundle_nodes) == 1, "a replica's TP bundles share one node"
+                assert len(bundle_nodes) == 1, "a replica's TP ranks share one node"
                 nodes.append(bundle_nodes.pop())
             else:
                 assert state == "PENDING"
@@ -79,7 +79,7 @@ def test_replicas_pack_on_one_node_each_and_an_unfitting_one_waits(cluster):
                            timeout=TIMEOUT_S)
                    for i in range(3) if replica_placement(pool.config.replica_name(i))[0]
                    == "CREATED"]
-        assert all(len(info.gpu_ids) == 1 for info in gpu_ids)
+        assert all(len(info.gpu_ids) == 2 for info in gpu_ids), "the replica holds its TP GPUs"
         pending = [r for r in status["replicas"].values() if r["state"] == "starting"]
         assert len(pending) == 1, "the replica that does not fit waits; the pool serves"
         client = PoolClient.connect("placement", "eagle_ray_test")

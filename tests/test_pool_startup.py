@@ -47,8 +47,6 @@ CASES = {  # failure class: (checkpoint, vllm_kwargs, the engine's words, the ke
     "kv_cache_too_small": ("long", {}, "max seq len", "max_model_len"),
     "unknown_vllm_kwarg": ("long", {"max_model_len": 256, "not_a_vllm_option": 1},
                            "not_a_vllm_option", "target.vllm_kwargs"),
-    "engine_owned_kwarg": ("long", {"skip_tokenizer_init": True}, "may not set",
-                           "target.vllm_kwargs"),
     "no_weights": ("no_weights", {}, "safetensors", "target.model_path"),
     # A weights-only folder serves (no tokenizer needed); a tokenizer named but missing fails.
     "missing_tokenizer": ("no_tokenizer", {"max_model_len": 256,
@@ -85,8 +83,8 @@ def test_a_pool_the_cluster_cannot_place_times_out_naming_the_missing_resources(
                         name="startup-unplaceable", namespace="eagle_ray_test",
                         ready_timeout_s=1)
     with pytest.raises(TimeoutError, match=r"0 of 1 replicas ready after 1s: no resources yet: "
-                                           r"1 placement group\(s\) pending, each 1 bundle\(s\) "
-                                           r"of \{'CPU': 64"):
+                                           r"1 placement group\(s\) pending, each "
+                                           r"\{'CPU': 64\} on one node"):
         TargetPool.create(config)
     assert placement_groups(config) == []
 

@@ -2,6 +2,7 @@
 (`ShmRingHandoff`): zero-copy reads, reuse, overflow, and no leftovers. The engine around it is
 covered in test_vllm_target.py."""
 
+import os
 import subprocess
 import sys
 
@@ -138,15 +139,36 @@ def test_a_stretch_being_written_is_not_reclaimed_and_writers_copy_outside_the_l
     assert offset_of(reader, a) != offset_of(reader, b)
 
 
-def test_the_ring_holds_two_of_the_longest_requests_within_a_share_of_shared_memory(tmp_path):
-    from eagle_ray.backends.vllm.handoff import DEFAULT_CAPACITY, ring_capacity
+def test_the_ring_holds_two_engine_calls_and_refuses_what_shared_memory_cannot_hold(tmp_path):
+    from eagle_ray.backends.vllm.ring_files import DEFAULT_CAPACITY, check_room, ring_capacity
 
-    # Llama-3.1-8B in bf16 at the recipe's max_model_len: 4,608 tokens x 4 states x 4,096 x 2 B.
-    request = 4608 * 4 * 4096 * 2
-    assert ring_capacity(request, str(tmp_path)) == 2 * request > DEFAULT_CAPACITY
-    assert ring_capacity(1024, str(tmp_path)) == DEFAULT_CAPACITY  # small targets
-    import os
-
+    # An 8B engine call at the pool's default: 16,384 tokens x 4 states x 4,096 x 2 B = 512 MiB.
+    call = 16384 * 4 * 4096 * 2
+    assert ring_capacity(call) == 2 * call > DEFAULT_CAPACITY
+    assert ring_capacity(1024) == DEFAULT_CAPACITY  # small targets
     stats = os.statvfs(tmp_path)
-    whole = stats.f_frsize * stats.f_blocks
-    assert ring_capacity(whole, str(tmp_path)) == int(whole * 0.25)
+    whole, free = stats.f_frsize * stats.f_blocks, stats.f_frsize * stats.f_bavail
+    check_room(free // 2, 0, str(tmp_path))  # fits
+    with pytest.raises(ValueError, match="max_tokens_per_engine_call.*handoff_ring_bytes"):
+        check_room(free + 1, 0, str(tmp_path))  # more than is free now
+    # Fits now, but not beside an object store that lives in the same filesystem.
+    with pytest.raises(ValueError, match="object store's"):
+        check_room(free // 2, whole - free // 4, str(tmp_path))
+    check_room(free // 2, whole + 1, str(tmp_path))  # a store larger than it lives elsewhere
+
+
+def test_a_call_larger_than_the_ring_comes_back_exact_and_counts_its_overflow(ring):
+    """What a replica's engine call does to the ring: every request's states published, then
+    taken; those that did not fit come through files, exactly, and are counted."""
+    reader, writer = ring
+    sent = {f"{PREFIX}{i}": states(i) for i in range(12)}  # 12 x 8 KiB into a 64 KiB ring
+    for key, value in sent.items():
+        writer.publish(key, value)
+    taken = [reader.take(key, tuple(v.shape), v.dtype) for key, v in sent.items()]
+    assert all(torch.equal(got, value) for got, value in zip(taken, sent.values(), strict=True))
+    assert reader.overflows == 4 and reader.overflow_bytes == 4 * 8 * 1024
+    del taken
+    assert reader.keys(PREFIX) == [ring_name(PREFIX)], "nothing left but the ring"
+    writer.publish(f"{PREFIX}next", states(20))  # the next call fits again
+    assert torch.equal(reader.take(f"{PREFIX}next", (16, 4, 64), torch.bfloat16), states(20))
+    assert reader.overflows == 4

@@ -1,7 +1,8 @@
 """The vLLM backend on a real (CPU) vLLM engine equals the HF reference.
 
-Engines are expensive (10-25 s each on 2 cores): one in-process Llama engine for the session, and
-module-scoped multiprocess engines for the cases that need their own configuration.
+Engines are expensive (10-25 s each on 2 cores): one in-process Llama engine for the module, run
+compiled as on a GPU (torch.compile; CUDA graphs are the GPU's alone), and module-scoped
+multiprocess engines, eager, for the cases that need their own configuration.
 """
 
 import os
@@ -25,9 +26,18 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def vllm_llama(llama_path):
-    target = VLLMEagle3TargetModel.from_pretrained(llama_path, dtype="float32")
+    """Compiled, as vLLM runs on a GPU (`enforce_eager` is the CPU default's, not vLLM's)."""
+    target = VLLMEagle3TargetModel.from_pretrained(llama_path, dtype="float32",
+                                                   vllm_kwargs={"enforce_eager": False})
     yield target
     target.shutdown()
+
+
+def test_the_llama_engine_under_test_is_compiled(vllm_llama):
+    from vllm.config import CompilationMode
+
+    config = vllm_llama.runner.llm.llm_engine.vllm_config.compilation_config
+    assert config.mode is not CompilationMode.NONE, config.mode
 
 
 @pytest.fixture(scope="module")

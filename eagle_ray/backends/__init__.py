@@ -30,25 +30,19 @@ def resolve_model_path(config: PoolConfig) -> str | None:
     return str(tiny_target("llama", pretrained=True))
 
 
-def engine_workers_hold_gpus(config: PoolConfig) -> bool:
-    """Whether the backend's own engine workers take the replica's GPUs (vLLM's Ray executor with
-    TP > 1 places a worker on each bundle), so the replica actor itself must hold none."""
-    return config.use_gpu and config.tp_size > 1 and config.backend == "vllm"
-
-
-def build_backend(config: PoolConfig) -> RunnerEagle3TargetModel:
-    """The backend a replica owns, from the pool config."""
+def build_backend(config: PoolConfig, object_store_bytes: int = 0) -> RunnerEagle3TargetModel:
+    """The backend a replica owns, from the pool config (`object_store_bytes`: the Ray object
+    store's size on the replica's node, which shares /dev/shm with vLLM's hand-off ring)."""
     model_path = resolve_model_path(config)
     dtype = None if config.dtype == "auto" else config.dtype
     if config.backend == "vllm":
         from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
 
-        vllm_kwargs = dict(config.vllm_kwargs)
-        if engine_workers_hold_gpus(config):
-            vllm_kwargs.setdefault("distributed_executor_backend", "ray")
         return VLLMEagle3TargetModel.from_pretrained(
             model_path, config.aux_layer_ids, dtype, tp_size=config.tp_size,
-            vllm_kwargs=vllm_kwargs, encoding=config.encoding, **config.backend_kwargs)
+            vllm_kwargs=config.vllm_kwargs, encoding=config.encoding,
+            max_call_tokens=config.max_tokens_per_engine_call,
+            object_store_bytes=object_store_bytes, **config.backend_kwargs)
     if config.backend == "hf":
         from eagle_ray.backends.hf import HFEagle3TargetModel
 

@@ -32,8 +32,8 @@ from eagle_ray.aux_layers import (
     validate_eagle3_aux_layer_ids,
     vllm_capture_layer_ids,
 )
-from eagle_ray.devices import to_device
-from eagle_ray.shift import next_position_mask, shift_supervision
+from eagle_ray.devices import HostBuffers, hand_over, to_device
+from eagle_ray.shift import next_position_mask, shift_captured_rows, shift_supervision
 from eagle_ray.supervision import DraftVocab, draft_target_from_hidden, head_logits
 from eagle_ray.target_batch import (
     ENCODINGS,
@@ -46,7 +46,8 @@ from eagle_ray.target_batch import (
 from eagle_ray.target_head import TargetHead
 
 __all__ = [
-    "ENCODINGS", "NUM_AUX_LAYERS", "Eagle3TargetBatch", "Encoding", "RunnerEagle3TargetModel",
+    "ENCODINGS", "NUM_AUX_LAYERS", "Eagle3TargetBatch", "EngineOutput", "Encoding",
+    "RunnerEagle3TargetModel",
     "RunnerOutput", "Sampling", "SelfCheckError", "TargetRunner", "check_greedy_tokens",
     "default_eagle3_aux_layer_ids", "next_position_mask", "resolve_eagle3_aux_layer_ids",
     "shift_supervision", "validate_eagle3_aux_layer_ids", "validate_micro_batch",
@@ -57,13 +58,75 @@ __all__ = [
 
 @dataclasses.dataclass
 class RunnerOutput:
-    """Unshifted hidden states for a right-padded batch; values at pad positions are ignored."""
+    """Unshifted hidden states of a right-padded batch, in one of two layouts: padded tensors
+    (`aux_hidden_states`, `last_hidden`; values at pad positions are ignored), or `rows` as an
+    engine captured them, unpadded (vLLM: each request's states arrive on their own)."""
 
-    aux_hidden_states: torch.Tensor  # [B, S, 3H], ascending layer order
-    last_hidden: torch.Tensor  # [B, S, H], final hidden state before the final norm
+    aux_hidden_states: torch.Tensor | None = None  # [B, S, 3H], ascending layer order
+    last_hidden: torch.Tensor | None = None  # [B, S, H], final hidden state before the final norm
     # [B] the engine's own greedy next token after each row, when it samples one (vLLM does);
-    # the base checks it against the head applied to last_hidden (the self-check).
+    # the base checks it against the head applied to the final state (the self-check).
     next_token_ids: torch.Tensor | None = None
+    # per row [n_i, 4, H]: the three aux layers (ascending), then the final pre-norm state
+    rows: list[torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        padded = self.aux_hidden_states is not None and self.last_hidden is not None
+        if padded == (self.rows is not None):
+            raise ValueError("a RunnerOutput holds either aux_hidden_states and last_hidden "
+                             "(padded) or rows (as captured), not both or neither")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the states are (the shift runs there)."""
+        return (self.rows[0] if self.rows is not None else self.aux_hidden_states).device
+
+    def check_shape(self, batch: int, seq: int) -> None:
+        """States for every row of a `[batch, seq]` micro-batch, or a RuntimeError naming what
+        came back instead."""
+        if self.rows is not None:
+            got = [list(r.shape) for r in self.rows]
+            if len(got) == batch and all(
+                    r.dim() == 3 and r.shape[1] == NUM_AUX_LAYERS + 1 and r.shape[0] <= seq
+                    for r in self.rows):
+                return
+        else:
+            got = [list(self.aux_hidden_states.shape), list(self.last_hidden.shape)]
+            if (self.aux_hidden_states.shape[:2] == (batch, seq)
+                    and self.last_hidden.shape[:2] == (batch, seq)):
+                return
+        raise RuntimeError(f"the runner returned states of shapes {got} for a [{batch}, {seq}] "
+                           f"micro-batch")
+
+    def final_states(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """`[B, H]`: each row's final pre-norm state at its last position (what the
+        self-check decodes)."""
+        if self.rows is not None:
+            return torch.stack([r[-1, NUM_AUX_LAYERS] for r in self.rows])
+        last_position = (attention_mask.sum(dim=1) - 1).view(-1, 1, 1)
+        hidden = self.last_hidden.shape[-1]
+        return self.last_hidden.gather(1, last_position.expand(-1, 1, hidden)).squeeze(1)
+
+    def shifted(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                loss_mask: torch.Tensor, buffers: HostBuffers) -> dict[str, torch.Tensor]:
+        """The shifted supervision fields, `last_hidden` included (`eagle_ray.shift`); rows
+        are shifted into `buffers`."""
+        if self.rows is not None:
+            return shift_captured_rows(input_ids, attention_mask, loss_mask, self.rows,
+                                       buffers.empty)
+        (last_hidden,) = hand_over([self.last_hidden], self.device)
+        return shift_supervision(input_ids, attention_mask, loss_mask, self.aux_hidden_states,
+                                 last_hidden)
+
+
+@dataclasses.dataclass
+class EngineOutput:
+    """What `run_engine` hands `finish_batch`: the checked inputs and the runner's output."""
+
+    input_ids: torch.Tensor  # [B, S]
+    attention_mask: torch.Tensor  # [B, S]
+    loss_mask: torch.Tensor  # [B, S]
+    runner_output: RunnerOutput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +155,12 @@ class TargetRunner(abc.ABC):
     def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
         """The generated tokens (stop token included, prompt excluded) for each prompt."""
         raise NotImplementedError(f"{type(self).__name__} does not generate text")
+
+    @property
+    def handoff_overflows(self) -> int:
+        """Requests whose captured states took the engine's slow way back to this process
+        (vLLM's shared-memory ring full: a file each); 0 where there is none."""
+        return 0
 
 
 class RunnerEagle3TargetModel:
@@ -125,6 +194,7 @@ class RunnerEagle3TargetModel:
         self.max_length = max_length
         self.draft_vocab = draft_vocab
         self.encoding = _check_encoding(encoding, draft_vocab)
+        self._host_buffers = HostBuffers()  # what captured rows are shifted into
 
     @property
     def aux_layer_ids(self) -> list[int]:
@@ -164,32 +234,44 @@ class RunnerEagle3TargetModel:
         Inputs may sit on the CPU or on the engine's device. Every tensor of the batch comes
         back on `device` (default: the engine's, for a co-located trainer; a pool replica asks
         for "cpu", ready for the object store): docs/contract.md, "Where tensors live".
+
+        It is `finish_batch(run_engine(...))`: a pool replica runs the two halves on two
+        threads, so the engine runs the next micro-batch while the host finishes this one.
         """
         encoding = _check_encoding(encoding or self.encoding, self.draft_vocab)
+        return self.finish_batch(
+            self.run_engine(input_ids, attention_mask, loss_mask, checked=checked),
+            encoding=encoding, device=device)
+
+    @torch.no_grad()
+    def run_engine(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   loss_mask: torch.Tensor | None = None, *, checked: bool = False
+                   ) -> EngineOutput:
+        """The engine's half of `generate_batch`: the input checks (unless `checked`) and the
+        runner, nothing else."""
         if loss_mask is None:
             loss_mask = attention_mask
         if not checked:
             validate_micro_batch(input_ids, attention_mask, loss_mask,
                                  vocab_size=self.vocab_size, max_length=self.max_length)
         out = self.runner.run(input_ids, attention_mask)
-        batch, seq = input_ids.shape
-        if out.aux_hidden_states.shape[:2] != (batch, seq) or out.last_hidden.shape[:2] != (
-            batch, seq
-        ):
-            raise RuntimeError(
-                f"runner {type(self.runner).__name__} returned aux "
-                f"{list(out.aux_hidden_states.shape)} and last_hidden "
-                f"{list(out.last_hidden.shape)} for a [{batch}, {seq}] batch"
-            )
+        out.check_shape(*input_ids.shape)
+        return EngineOutput(input_ids, attention_mask, loss_mask, out)
+
+    @torch.no_grad()
+    def finish_batch(self, engine_output: EngineOutput, *, encoding: Encoding | None = None,
+                     device: torch.device | str | None = None) -> Eagle3TargetBatch:
+        """The host's half of `generate_batch`: the self-check, the shift and the encoding of
+        what `run_engine` returned, on `device` (as in `generate_batch`)."""
+        encoding = _check_encoding(encoding or self.encoding, self.draft_vocab)
+        out = engine_output.runner_output
         # The shift runs where the runner left its states; the masks follow them there.
-        where = out.aux_hidden_states.device
-        input_ids, attention_mask, loss_mask = (
-            t.to(where, non_blocking=True) for t in (input_ids, attention_mask, loss_mask))
-        last_hidden = out.last_hidden.to(where, non_blocking=True)
+        input_ids, attention_mask, loss_mask = hand_over(
+            (engine_output.input_ids, engine_output.attention_mask, engine_output.loss_mask),
+            out.device)
         if self.self_check and out.next_token_ids is not None:
-            check_greedy_tokens(out.next_token_ids, last_hidden, attention_mask, self._head)
-        fields = shift_supervision(input_ids, attention_mask, loss_mask,
-                                   out.aux_hidden_states, last_hidden)
+            check_greedy_tokens(out.next_token_ids, out.final_states(attention_mask), self._head)
+        fields = out.shifted(input_ids, attention_mask, loss_mask, self._host_buffers)
         last_hidden = fields.pop("last_hidden")
         device = self.device if device is None else torch.device(device)
         if encoding == "last_hidden":
@@ -229,20 +311,20 @@ class SelfCheckError(RuntimeError):
     """The engine's greedy token disagrees with the head applied to the captured final state."""
 
 
-def check_greedy_tokens(next_token_ids: torch.Tensor, last_hidden: torch.Tensor,
-                        attention_mask: torch.Tensor, head: TargetHead) -> None:
-    """Each row's engine-sampled greedy token must be the argmax of `head(last_hidden[last])`.
+def check_greedy_tokens(next_token_ids: torch.Tensor, final_states: torch.Tensor,
+                        head: TargetHead) -> None:
+    """Each row's engine-sampled greedy token must be the argmax of `head(final_states[row])`
+    (`final_states [B, H]`: the captured final pre-norm state at each row's last position).
 
     This catches the silent failures of capture: a layer-id convention off by one, a final norm
     applied twice or not at all, a head in the wrong dtype. Near-ties (within the precision of
     the head's dtype) are accepted.
     """
-    last_position = (attention_mask.sum(dim=1) - 1).view(-1, 1, 1)
-    last = last_hidden.gather(1, last_position.expand(-1, 1, last_hidden.shape[-1]))  # [B,1,H]
     head_device = head.lm_head.weight.device
-    logits = head(last.squeeze(1).to(head_device)).float()  # [B, V]
+    states, next_token_ids = hand_over((final_states, next_token_ids), head_device)
+    logits = head(states).float()  # [B, V]
     best = logits.max(dim=-1).values
-    chosen = logits.gather(1, next_token_ids.to(head_device).view(-1, 1)).squeeze(1)
+    chosen = logits.gather(1, next_token_ids.view(-1, 1)).squeeze(1)
     eps = torch.finfo(head.lm_head.weight.dtype).eps
     tolerance = max(1e-4, SELF_CHECK_EPS * eps) * best.abs().clamp_min(1.0)
     bad = torch.nonzero((chosen < best - tolerance).cpu()).flatten().tolist()  # the one read

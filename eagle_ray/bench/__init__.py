@@ -84,6 +84,7 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[str, Any], dict[str, Any]]]] = {
     "pool": ("pool", "run_overhead", lambda path, opts: {
         "model_path": path, "shapes": [(8, 128), (16, 256), (8, 480)]}),
     "router": ("pool", "run_router", lambda path, opts: {}),
+    "replica": ("replica", "run", lambda path, opts: {}),
     "scaling": ("pool", "run_scaling", lambda path, opts: {}),
     "transport": ("transport", "run", lambda path, opts: {}),
     "locality": ("locality", "run", lambda path, opts: {}),
@@ -102,6 +103,8 @@ QUICK: dict[str, dict[str, Any]] = {
     "handoff": {"repeats": 1},
     "pool": {"shapes": [(4, 64)], "rounds": 1},
     "router": {"clients": (1, 2), "seconds": 1.0},
+    "replica": {"hidden": 256, "tokens_per_call": 2048, "forward_s": 0.05, "calls": 4,
+                "rounds": 1},
     "scaling": {"replica_counts": (1, 2)},
     "transport": {"tokens": 512, "hidden": 256, "repeats": 1},
     "locality": {"count": 4, "tokens": 256, "hidden": 256, "rounds": 1},

@@ -121,10 +121,10 @@ def _engine_busy(replica):
     """Yields a list that holds, afterwards, the share of the time the replica's engine was busy
     (the rest it idled waiting for work)."""
     share: list[float] = []
-    before = ray.get(replica.ready.remote()).engine.busy_s
+    before = ray.get(replica.ready.remote()).engine.engine_s
     start = time.perf_counter()
     yield share
-    after = ray.get(replica.ready.remote()).engine.busy_s
+    after = ray.get(replica.ready.remote()).engine.engine_s
     share.append((after - before) / (time.perf_counter() - start))
 
 

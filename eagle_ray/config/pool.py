@@ -54,7 +54,9 @@ class PoolConfig:
     replicas: int = 1
     """Replicas started with the pool."""
     tp_size: int = 1
-    """Tensor-parallel ranks per replica (= bundles per placement group)."""
+    """Tensor-parallel ranks per replica, all on one node: the replica's one bundle holds
+    `tp_size` GPUs (and `tp_size` x `cpus_per_bundle` CPUs), and vLLM runs its ranks as the
+    replica's own worker processes (docs/architecture.md, "Tensor parallelism")."""
     dtype: str = "auto"
     """`auto`, `bfloat16`, `float16` or `float32`."""
     aux_layer_ids: list[int] | None = None
@@ -71,13 +73,12 @@ class PoolConfig:
     backend_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Extra keyword arguments of the backend's `from_pretrained` / factory."""
     use_gpu: bool = False
-    """Each bundle (one per TP rank, one placement group per replica) asks for one GPU."""
+    """A replica asks for one GPU per TP rank (in its placement group's one bundle)."""
     cpus_per_bundle: float = 1.0
-    """CPUs per bundle (on CPU clusters: the engine's threads)."""
+    """CPUs per TP rank (on CPU clusters: the engine's threads)."""
     bundle_resources: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Custom resources per bundle, e.g. `{target_node: 0.01}` to keep target GPUs apart."""
-    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
-    """Placement group strategy of each replica."""
+    """Custom resources per TP rank, e.g. `{target_gpu: 1}` (the locality plan's node
+    resources, docs/architecture.md)."""
     runtime_env: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Ray runtime env of the replicas."""
     name: str = "eagle_ray_pool"
@@ -96,7 +97,11 @@ class PoolConfig:
     into shared engine calls); 1: one call at a time."""
     max_tokens_per_engine_call: int = 16384
     """Padded slots (rows x longest row) of one merged engine call; a larger micro-batch runs
-    alone."""
+    alone. Also sizes the vLLM hand-off's shared-memory ring (two calls' captured states)."""
+    replica_pipeline: bool = True
+    """The engine thread runs only the engine while a second thread turns the previous call's
+    output into supervision (shift, encoding, fp8); False: one thread does both in turn (the
+    benchmark's baseline, `eagle-ray bench replica`)."""
     locality: bool = True
     """Lease a replica on the client's own node while it has room (its results then stay in that
     node's shared memory instead of crossing the network; docs/architecture.md)."""
@@ -118,6 +123,13 @@ class PoolConfig:
             raise ConfigError("max_outstanding_tokens_per_replica must be >= 1")
         if self.replica_concurrency < 1 or self.max_tokens_per_engine_call < 1:
             raise ConfigError("replica_concurrency and max_tokens_per_engine_call must be >= 1")
+        if self.backend == "vllm":
+            from eagle_ray.backends.vllm.engine_args import check_vllm_kwargs
+
+            try:
+                check_vllm_kwargs(self.vllm_kwargs, self.tp_size)
+            except ValueError as e:
+                raise ConfigError(f"target.{e}") from None
         if self.backend not in ("vllm", "hf") and ":" not in self.backend:
             raise ConfigError(f"backend must be 'vllm', 'hf' or 'module:factory', "
                               f"got {self.backend!r}")

@@ -1,12 +1,21 @@
-"""One engine fed by many request threads: a replica that never idles.
+"""One engine fed by many request threads, and a host stage beside it: a replica that never idles.
 
 A replica accepts several calls at once (its `generate` concurrency group), each with one
-micro-batch or several. Their request threads check and decode inputs and encode results; only
-the engine thread here touches the engine. Micro-batches that wait together are merged into one
-engine call, so they share engine steps (vLLM schedules their rows together), up to `max_tokens`
-padded slots per call; anything else (text generation) runs alone, in arrival order. While the
-engine runs one call, the results of the previous one travel back and the next inputs arrive: no
-gap between engine calls.
+micro-batch or several. Their request threads check and decode inputs and hand results to Ray;
+the work in between runs in two stages of a pipeline:
+
+- the **engine thread** runs only the engine (`run_engine`: the forward and the copies the engine
+  itself must make). Micro-batches that wait together are merged into one engine call, so they
+  share engine steps (vLLM schedules their rows together), up to `max_tokens` padded slots per
+  call; anything else (text generation) runs alone, in arrival order.
+- the **host thread** turns each engine call's output into supervision (`finish`: padding, the
+  shift, head decoding, fp8) while the engine thread already runs the next call.
+
+The stages are bounded: the engine thread starts a call only when no finished call is waiting
+for the host stage, so at most two calls' captured states exist at once (the one the host stage
+reads, the one the engine writes), which sizes the vLLM hand-off's ring
+(`backends/vllm/ring_files.py`). With `pipelined=False` the engine thread does both stages, one
+after the other (the design before this one, kept as the benchmark's baseline).
 
 Merging is exact: rows are independent (right padding, causal attention, the shift is per row),
 so each micro-batch's slice of the merged result is what it would have got alone.
@@ -17,6 +26,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -38,26 +48,46 @@ class _Job:
     call: Callable[[], Any] | None = None  # runs alone
 
 
-class EngineQueue:
-    """Serialises engine work from many threads and merges waiting micro-batches.
+@dataclasses.dataclass
+class _Finished:
+    """An engine call's output on its way to the host stage."""
 
-    `generate(micro_batch) -> Eagle3TargetBatch` runs a (merged) micro-batch on the engine
-    (`generate_many` queues micro-batches, `call` anything else);
-    `run_guarded(call)` wraps every engine call (the replica's failure handling). `stats` counts
-    engine calls, the micro-batches they carried, the jobs waiting or on the engine now
-    (`inside`), and the seconds the engine was busy (`busy_s`: its utilisation over time).
+    jobs: list[_Job]
+    parts: list[MicroBatch]
+    engine_output: Any
+
+
+class EngineQueue:
+    """Serialises engine work from many threads, merges waiting micro-batches, and finishes
+    each engine call's output on a second thread while the engine runs the next.
+
+    `run_engine(micro_batch)` runs a (merged) micro-batch on the engine; `finish(output) ->
+    Eagle3TargetBatch` turns what it returned into supervision (`RunnerEagle3TargetModel`'s
+    `run_engine` and `finish_batch`). `generate_many` queues micro-batches, `call` anything else
+    (run on the engine thread, alone); `run_guarded(call)` wraps every stage's work (the
+    replica's failure handling). `stats` counts engine calls, the micro-batches they carried,
+    the calls that merged several, the jobs waiting or inside now, and the seconds each stage
+    worked (`engine_s`, `host_s`: the engine's share of wall time is its utilisation).
     """
 
-    def __init__(self, generate: Callable[[MicroBatch], Eagle3TargetBatch],
+    def __init__(self, run_engine: Callable[[MicroBatch], Any],
+                 finish: Callable[[Any], Eagle3TargetBatch],
                  run_guarded: Callable[[Callable[[], Any]], Any], max_tokens: int,
-                 name: str = "engine") -> None:
-        self._generate = generate
+                 name: str = "engine", pipelined: bool = True) -> None:
+        self._run_engine = run_engine
+        self._finish = finish
         self._run_guarded = run_guarded
         self.max_tokens = max_tokens
         self._jobs: collections.deque[_Job] = collections.deque()
         self._wake = threading.Condition()
+        # At most one finished engine call waits for the host stage (`join` before each call).
+        self._finished: queue.Queue[_Finished] | None = queue.Queue(maxsize=1) if pipelined \
+            else None
+        self._stats_lock = threading.Lock()
         self.stats = EngineStats()
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
+        threading.Thread(target=self._engine_loop, name=name, daemon=True).start()
+        if self._finished is not None:
+            threading.Thread(target=self._host_loop, name=f"{name}-host", daemon=True).start()
 
     def generate_many(self, micro_batches: list[MicroBatch]
                       ) -> list[Eagle3TargetBatch | BaseException]:
@@ -103,31 +133,70 @@ class EngineQueue:
                 rows, seq = merged_rows, merged_seq
             return jobs
 
-    def _loop(self) -> None:
+    def _engine_loop(self) -> None:
         while True:
-            jobs = self._next_jobs()
-            started = time.perf_counter()
-            try:
-                results = self._run(jobs)
-            except BaseException as e:  # noqa: BLE001 -- every waiter gets the engine's error
-                for job in jobs:
-                    job.future.set_exception(e)
-                continue
-            finally:
-                self.stats.busy_s += time.perf_counter() - started
-            for job, result in zip(jobs, results, strict=True):
-                job.future.set_result(result)
+            if self._finished is not None:
+                self._finished.join()  # the host stage has taken the previous call
+            self._engine_call(self._next_jobs())
 
-    def _run(self, jobs: list[_Job]) -> list[Any]:
-        """One engine call for `jobs` (a call alone, or micro-batches merged); their results."""
-        self.stats.engine_calls += 1
+    def _engine_call(self, jobs: list[_Job]) -> None:
+        """One engine call for `jobs` (a call alone, or micro-batches merged); supervision goes
+        on to the host stage (or is finished here when not pipelined)."""
+        self._count(engine_calls=1)
         if jobs[0].call is not None:
-            return [self._run_guarded(jobs[0].call)]
+            self._settle(jobs, lambda: [self._run_guarded(jobs[0].call)], "engine_s")
+            return
         parts = [job.micro_batch for job in jobs]
-        merged = self._run_guarded(lambda: self._generate(merge_micro_batches(parts)))
-        self.stats.micro_batches += len(jobs)
-        self.stats.merged_calls += len(jobs) > 1
-        return split_batch(merged, parts)
+        self._count(micro_batches=len(jobs), merged_calls=int(len(jobs) > 1))
+        output = self._timed(lambda: self._run_guarded(
+            lambda: self._run_engine(merge_micro_batches(parts))), "engine_s")
+        if isinstance(output, BaseException):
+            self._fail(jobs, output)
+        elif self._finished is None:
+            self._settle(jobs, lambda: self._finish_parts(output, parts), "host_s")
+        else:
+            self._finished.put(_Finished(jobs, parts, output))
+
+    def _host_loop(self) -> None:
+        while True:
+            finished = self._finished.get()
+            self._finished.task_done()  # the engine may start its next call now
+            self._settle(finished.jobs,
+                         lambda f=finished: self._finish_parts(f.engine_output, f.parts),
+                         "host_s")
+
+    def _finish_parts(self, engine_output: Any, parts: list[MicroBatch]
+                      ) -> list[Eagle3TargetBatch]:
+        return split_batch(self._run_guarded(lambda: self._finish(engine_output)), parts)
+
+    def _settle(self, jobs: list[_Job], work: Callable[[], list[Any]], stage: str) -> None:
+        """Run `work` (timed as `stage`) and give each job its result, or every job its error."""
+        results = self._timed(work, stage)
+        if isinstance(results, BaseException):
+            self._fail(jobs, results)
+            return
+        for job, result in zip(jobs, results, strict=True):
+            job.future.set_result(result)
+
+    def _timed(self, work: Callable[[], Any], stage: str) -> Any:
+        """`work()`'s result or the exception it raised; its seconds counted in `stage`."""
+        started = time.perf_counter()
+        try:
+            return work()
+        except BaseException as e:  # noqa: BLE001 -- every waiter gets the engine's error
+            return e
+        finally:
+            self._count(**{stage: time.perf_counter() - started})
+
+    def _count(self, **increments: float) -> None:
+        with self._stats_lock:  # two stages update the stats
+            for name, value in increments.items():
+                setattr(self.stats, name, getattr(self.stats, name) + value)
+
+    @staticmethod
+    def _fail(jobs: list[_Job], error: BaseException) -> None:
+        for job in jobs:
+            job.future.set_exception(error)
 
 
 def merge_micro_batches(parts: list[MicroBatch]) -> MicroBatch:

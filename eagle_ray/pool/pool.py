@@ -13,7 +13,7 @@ from ray.util.placement_group import remove_placement_group
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.controller import PoolController
-from eagle_ray.pool.placement import replica_bundles
+from eagle_ray.pool.placement import replica_bundle
 from eagle_ray.pool.protocol import ReplicaStartupError
 from eagle_ray.pool.replicas import (
     kill_replica,
@@ -160,8 +160,7 @@ class TargetPool:
         reasons = []
         if pending:
             reasons.append(f"no resources yet: {pending} placement group(s) pending, each "
-                           f"{self.config.tp_size} bundle(s) of "
-                           f"{replica_bundles(self.config)[0]} (add nodes, or let the "
+                           f"{replica_bundle(self.config)} on one node (add nodes, or let the "
                            f"autoscaler)")
         starting = states.count("starting") - pending
         if starting > 0:

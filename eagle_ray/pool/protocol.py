@@ -32,14 +32,19 @@ class RequestKind(enum.Enum):
 
 @dataclasses.dataclass
 class EngineStats:
-    """A replica's engine thread (`EngineQueue`): calls, micro-batches in them, calls that merged
-    several, micro-batches queued or running now, seconds the engine ran."""
+    """A replica's engine pipeline (`EngineQueue`): calls, micro-batches in them, calls that
+    merged several, micro-batches queued or inside now, seconds the engine ran (`engine_s`: over
+    wall time, its utilisation), seconds the host stage turned engine output into supervision
+    (`host_s`, beside the engine when pipelined), and requests whose captured states found
+    vLLM's shared-memory ring full (`handoff_overflows`)."""
 
     engine_calls: int = 0
     micro_batches: int = 0
     merged_calls: int = 0
     inside: int = 0
-    busy_s: float = 0.0
+    engine_s: float = 0.0
+    host_s: float = 0.0
+    handoff_overflows: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

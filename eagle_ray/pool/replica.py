@@ -1,7 +1,8 @@
 """The replica actor: one target backend (vLLM by default) inside its own placement group.
 
 It accepts up to `PoolConfig.replica_concurrency` calls at once, each carrying one micro-batch or
-several (`generate_many`); an `EngineQueue` feeds them to the engine, merged, from one thread
+several (`generate_many`); an `EngineQueue` feeds them to the engine, merged, from one thread, and
+finishes each engine call's output on another while the engine runs the next
 (`eagle_ray.pool.engine_queue`)."""
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ from eagle_ray.target_batch import validate_micro_batch, validate_prompts
 logger = logging.getLogger(__name__)
 
 
+def _node_object_store_bytes() -> int:
+    """The Ray object store's capacity on this replica's node (it shares /dev/shm with vLLM's
+    hand-off ring, which is sized against it)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return int(node["Resources"].get("object_store_memory", 0))
+    return 0
+
+
 def micro_batch_tensors(inputs: Any) -> list[torch.Tensor]:
     """`(input_ids, attention_mask, loss_mask)` arrays as tensors; anything else is bad input."""
     if not isinstance(inputs, tuple | list) or len(inputs) != 3:
@@ -69,7 +80,7 @@ class TargetReplica:
                 self.startup_error = attempts.error(died)
                 logger.error("replica %d: %s", index, self.startup_error)
                 return
-            self.backend = build_backend(config)
+            self.backend = build_backend(config, object_store_bytes=_node_object_store_bytes())
         except Exception as e:
             # Kept, not raised: Ray would restart the actor and fail again, forever. The router
             # marks the replica failed and the pool reports why (`ReplicaState.FAILED`).
@@ -89,10 +100,11 @@ class TargetReplica:
         # less than quantising a batch on the host's cores).
         where = None if config.encoding_dtype == "fp8" else "cpu"
         # Each micro-batch is checked once on arrival (`generate_many`), before it is merged.
-        self.engine = EngineQueue(lambda mb: self.backend.generate_batch(*mb, device=where,
-                                                                         checked=True),
-                                  self._serve,
-                                  config.max_tokens_per_engine_call, name=f"engine-{index}")
+        self.engine = EngineQueue(
+            lambda micro_batch: self.backend.run_engine(*micro_batch, checked=True),
+            lambda engine_output: self.backend.finish_batch(engine_output, device=where),
+            self._serve, config.max_tokens_per_engine_call, name=f"engine-{index}",
+            pipelined=config.replica_pipeline)
         logger.info("replica %d ready on node %s", index,
                     ray.get_runtime_context().get_node_id())
 
@@ -113,7 +125,8 @@ class TargetReplica:
             identity=self.identity,
             served_tokens=self.served_tokens,
             served_micro_batches=self.served_micro_batches,
-            engine=dataclasses.replace(self.engine.stats),
+            engine=dataclasses.replace(self.engine.stats,
+                                       handoff_overflows=self.backend.runner.handoff_overflows),
             max_tokens_per_engine_call=self.engine.max_tokens,
         )
 

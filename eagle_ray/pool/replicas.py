@@ -41,8 +41,8 @@ def start_replica(config: PoolConfig, index: int) -> ActorHandle:
         max_restarts=-1, max_task_retries=0,
         **replica_actor_options(config, pg),
     ).remote(config, index)
-    logger.info("replica %d requested (%d bundle(s) %s, %s)", index, config.tp_size,
-                pg.bundle_specs[0], config.placement_strategy)
+    logger.info("replica %d requested (%s for %d TP rank(s))", index, pg.bundle_specs[0],
+                config.tp_size)
     return handle
 
 

@@ -171,6 +171,7 @@ class PoolRouter:
             replica.restarts += 1
             self._metrics.restarts.inc(tags=self._metrics.replica(replica.name))
         replica.info = info
+        self._metrics.engine(replica.name, info.engine)
         if replica.state is ReplicaState.FAILED:
             return  # it stays so (the health rounds probe it like the others)
         if info.startup_error is not None:  # its backend could not be built: no leases, no

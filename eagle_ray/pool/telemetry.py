@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from ray.util import metrics
 
+from eagle_ray.pool.protocol import EngineStats
+
 REPLICA_TAGS = ("pool", "replica")
 
 
@@ -30,6 +32,17 @@ class RouterMetrics:
         self.restarts = metrics.Counter(
             "eagle_ray_replica_restarts", "times Ray restarted the replica",
             tag_keys=REPLICA_TAGS)
+        self.engine_seconds = metrics.Gauge(
+            "eagle_ray_replica_engine_seconds", "seconds the replica's engine ran since it "
+            "started (its rate is the engine's utilisation)", tag_keys=REPLICA_TAGS)
+        self.host_seconds = metrics.Gauge(
+            "eagle_ray_replica_host_seconds", "seconds the replica's host stage spent turning "
+            "engine output into supervision since it started (beside the engine)",
+            tag_keys=REPLICA_TAGS)
+        self.handoff_overflows = metrics.Gauge(
+            "eagle_ray_replica_handoff_overflows", "requests since the replica started whose "
+            "captured states found the shared-memory ring full (a file each: slower)",
+            tag_keys=REPLICA_TAGS)
         self.ready = metrics.Gauge("eagle_ray_pool_ready_replicas", "replicas taking leases",
                                    tag_keys=("pool",))
         self.failed = metrics.Gauge(
@@ -41,6 +54,13 @@ class RouterMetrics:
 
     def replica(self, name: str) -> dict[str, str]:
         return {"pool": self.pool, "replica": name}
+
+    def engine(self, name: str, stats: EngineStats) -> None:
+        """A replica's engine counters, as its latest probe answered them."""
+        tags = self.replica(name)
+        self.engine_seconds.set(stats.engine_s, tags=tags)
+        self.host_seconds.set(stats.host_s, tags=tags)
+        self.handoff_overflows.set(stats.handoff_overflows, tags=tags)
 
 
 class ControllerMetrics:

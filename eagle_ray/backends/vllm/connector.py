@@ -45,6 +45,7 @@ from eagle_ray.backends.vllm.handoff import (
     handoff_from_config,
     handoff_key,
 )
+from eagle_ray.devices import start_hand_over
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -123,23 +124,20 @@ class EagleRayHiddenStatesConnector(ExampleHiddenStatesConnector):
 
     def _submit_device_copy(self, req_id: str, key: str, slots: torch.Tensor,
                             num_tokens: int) -> None:
-        """GPU: async device-to-host copy on a side stream; publish once it has landed."""
+        """GPU: the gather and its device-to-host copy on a side stream (after the forward that
+        wrote the states); published from a thread once the copy has landed."""
         stream = self._get_copy_stream()
         ready = torch.cuda.Event()
         ready.record()
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
-            gathered = extract_from_kv_cache(
-                self._kv_cache, slots.to(self._kv_cache.device, non_blocking=True), num_tokens
-            )
-            host = torch.empty_like(gathered, device="cpu", pin_memory=True)
-            host.copy_(gathered, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(stream)
-        self._req_copy_events[req_id] = copied
+            gathered = extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device),
+                                             num_tokens)
+            copy = start_hand_over([gathered], "cpu", stream)
+        self._req_copy_events[req_id] = copy  # vLLM polls `.query()`
 
         def finish() -> None:
-            copied.synchronize()
+            (host,) = copy.result()
             self._handoff.publish(key, host)
 
         future = self._executor.submit(finish)

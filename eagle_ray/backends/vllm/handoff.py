@@ -19,12 +19,15 @@ maps the same file and copies each request's states into the next free stretch o
 its pages stay allocated, so a publish is one memcpy into warm memory. The writer then publishes
 a tiny *record* file `<key>` naming the stretch ("ring OFFSET NBYTES"). `take` renames the
 record to `<key>.taken` and returns a zero-copy view of the region; once every tensor viewing it
-is dropped the record is deleted, and the writer reuses a stretch once its record is gone. A
-request that does not fit while the ring is full goes to its own file beside the record ("file
-NBYTES"), so the engine never waits. `discard` removes records (and the ring itself with the
-engine's key prefix, at shutdown); a ring whose owner process died (a SIGKILLed replica) is
-removed by the next engine started on the machine (`sweep_dead_rings`); its name carries the
-owner's pid for that.
+is dropped the record is deleted, and the writer reuses a stretch once its record is gone. The
+ring holds two engine calls' states (`ring_files.ring_capacity`: the call a replica's host stage
+reads and the one the engine writes meanwhile). A request that does not fit while the ring is
+full goes at once to its own file beside the record ("file NBYTES"): the engine never waits, and
+nothing waits with the allocation lock held; the reader counts such overflows (`overflows`,
+exported as `eagle_ray_replica_handoff_overflows`). `discard` removes records (and the ring
+itself with the engine's key prefix, at shutdown); a ring whose owner process died (a SIGKILLed
+replica) is removed by the next engine started on the machine (`sweep_dead_rings`); its name
+carries the owner's pid for that.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ import collections
 import mmap
 import os
 import threading
-import time
 import weakref
 from typing import Any, ClassVar
 
@@ -45,6 +47,7 @@ from eagle_ray.backends.vllm.ring_files import (
     DEFAULT_CAPACITY,
     SHM_DIR,
     TAKEN_SUFFIX,
+    check_room,
     remove_file,
     ring_capacity,
     ring_name,
@@ -67,6 +70,7 @@ class Handoff(abc.ABC):
     """A place the connector publishes `[num_tokens, num_ids, H]` states to, keyed by request."""
 
     kind: ClassVar[str]
+    overflows: int = 0  # requests that found the ring full and came through a file (ShmRing)
 
     @abc.abstractmethod
     def publish(self, key: str, states: torch.Tensor) -> None:
@@ -169,9 +173,8 @@ class ShmRingHandoff(Handoff):
 
     kind = "shm"
 
-    def __init__(self, path: str, capacity: int = DEFAULT_CAPACITY, create: bool = False,
-                 wait_s: float = 0.05) -> None:
-        self.path, self.capacity, self.wait_s = path, capacity, wait_s
+    def __init__(self, path: str, capacity: int = DEFAULT_CAPACITY, create: bool = False) -> None:
+        self.path, self.capacity = path, capacity
         self.directory = os.path.dirname(path)
         if create:
             with open(path, "wb") as f:
@@ -184,6 +187,10 @@ class ShmRingHandoff(Handoff):
         self._copying: set[str] = set()  # keys whose stretch is being written (no record yet)
         self._head = 0
         self._lock = threading.Lock()  # guards the writer state, not the copies
+        # Reader state: requests that found the ring full and came through a file of their own
+        # (counted where they are taken: the writer runs in vLLM's worker process).
+        self.overflows = 0
+        self.overflow_bytes = 0
 
     # ---------------------------------------------------------------- writer (the connector)
 
@@ -191,8 +198,10 @@ class ShmRingHandoff(Handoff):
         raw = states.contiguous().view(torch.uint8).reshape(-1)
         nbytes = raw.numel()
         with self._lock:  # only the allocation: writers copy side by side
-            offset = self._allocate(nbytes)
+            self._reclaim()
+            offset = self._fit(nbytes) if nbytes <= self.capacity else None
             if offset is not None:
+                self._head = offset + nbytes
                 self._live.append((offset, nbytes, key))
                 self._copying.add(key)
         if offset is not None:
@@ -207,24 +216,6 @@ class ShmRingHandoff(Handoff):
         os.rename(partial, self._record_path(key))
         with self._lock:
             self._copying.discard(key)  # the record now keeps the stretch live
-
-    def _allocate(self, nbytes: int) -> int | None:
-        """The offset of `nbytes` free contiguous bytes, reclaiming stretches whose record is
-        gone (oldest first); None when the ring stays full for `wait_s`."""
-        if nbytes > self.capacity:
-            return None
-        deadline = None
-        while True:
-            self._reclaim()
-            offset = self._fit(nbytes)
-            if offset is not None:
-                self._head = offset + nbytes
-                return offset
-            now = time.monotonic()
-            deadline = deadline or now + self.wait_s
-            if now > deadline:
-                return None
-            time.sleep(0.001)
 
     def _fit(self, nbytes: int) -> int | None:
         if not self._live:
@@ -259,6 +250,8 @@ class ShmRingHandoff(Handoff):
             kind, *numbers = f.read().split()
         if kind == "file":
             raw = np.fromfile(record + ".data", dtype=np.uint8)
+            self.overflows += 1
+            self.overflow_bytes += raw.nbytes
             remove_file(record + ".data")
             remove_file(record + TAKEN_SUFFIX)
             return torch.from_numpy(raw).view(dtype).reshape(shape)
@@ -288,11 +281,13 @@ class ShmRingHandoff(Handoff):
 
 def choose_handoff(kind: str | None, *, same_process: bool, key_prefix: str,
                    directory: str | None = None, ring_bytes: int | None = None,
-                   longest_request_bytes: int = 0) -> Handoff:
+                   call_bytes: int = 0, object_store_bytes: int = 0) -> Handoff:
     """The hand-off for an engine: `kind` as the user asked ("inprocess", "shm", "file"), or the
     cheapest that works when None. `same_process`: the engine's only worker runs in this process.
-    A new "shm" ring is named after `key_prefix` (the engine's keys) and this process; rings of
-    dead processes are swept first.
+    A new "shm" ring is named after `key_prefix` (the engine's keys) and this process, holds
+    two engine calls of `call_bytes` (`ring_capacity`) unless `ring_bytes` says otherwise, and is
+    refused when it would not fit beside an object store of `object_store_bytes`
+    (`check_room`); rings of dead processes are swept first.
     """
     kind = kind or ("inprocess" if same_process else "shm")
     if kind not in HANDOFF_KINDS:
@@ -308,7 +303,8 @@ def choose_handoff(kind: str | None, *, same_process: bool, key_prefix: str,
         return FileHandoff(directory)
     directory = directory or SHM_DIR
     sweep_dead_rings(directory)
-    capacity = ring_bytes or ring_capacity(longest_request_bytes, directory)
+    capacity = ring_bytes or ring_capacity(call_bytes)
+    check_room(capacity, object_store_bytes, directory)
     return ShmRingHandoff(os.path.join(directory, ring_name(key_prefix)), capacity,
                           create=True)
 

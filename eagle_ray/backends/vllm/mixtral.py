@@ -7,17 +7,25 @@ inside vLLM processes, lazily, by the model registry.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import islice
 
 import torch
 from vllm.distributed import get_pp_group
+from vllm.model_executor.models import mixtral
 from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
 from vllm.model_executor.models.mixtral import MixtralForCausalLM, MixtralModel
 from vllm.sequence import IntermediateTensors
 
 
 class Eagle3MixtralModel(MixtralModel, EagleModelMixin):
-    """`MixtralModel` that also returns the residual stream at its aux layers."""
+    """`MixtralModel` that also returns the residual stream at its aux layers.
+
+    It inherits vLLM's `support_torch_compile` wrapper, which binds `self.forward` when the
+    instance is built: built as this class from the start, the compiled graph (and CUDA graphs)
+    are of this `forward`, aux states included.
+    """
 
     def forward(
         self,
@@ -47,9 +55,28 @@ class Eagle3MixtralModel(MixtralModel, EagleModelMixin):
 
 
 class Eagle3MixtralForCausalLM(MixtralForCausalLM, SupportsEagle3):
-    """vLLM's `MixtralForCausalLM`, its decoder swapped for `Eagle3MixtralModel` (same modules
-    and weights; only `forward` differs, so the swap happens after vLLM built it)."""
+    """vLLM's `MixtralForCausalLM` whose decoder is an `Eagle3MixtralModel` (same modules and
+    weights; only `forward` differs).
+
+    The parent's `__init__` builds its decoder by the module-level name `MixtralModel`; while it
+    runs, that name points at `Eagle3MixtralModel`, so the decoder is built once, as the class
+    vLLM then compiles. (Swapping `__class__` after construction left the compiled graph on the
+    stock `forward`, which returns no aux states: tests/test_vllm_target.py runs it compiled.)
+    """
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.model.__class__ = Eagle3MixtralModel
+        with _decoder_class(Eagle3MixtralModel):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        assert isinstance(self.model, Eagle3MixtralModel)
+
+
+@contextmanager
+def _decoder_class(cls: type[MixtralModel]) -> Iterator[None]:
+    """`vllm.model_executor.models.mixtral.MixtralModel` is `cls` inside the block (model
+    construction runs on one thread per worker process)."""
+    stock = mixtral.MixtralModel
+    mixtral.MixtralModel = cls
+    try:
+        yield
+    finally:
+        mixtral.MixtralModel = stock

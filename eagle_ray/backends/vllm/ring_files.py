@@ -8,23 +8,36 @@ import os
 SHM_DIR = "/dev/shm"
 RING_SUFFIX = "ring"
 DEFAULT_CAPACITY = 256 * 2**20  # the smallest ring (`handoff_ring_bytes` sets it outright)
-RING_LONGEST_REQUESTS = 2  # a ring holds at least this many requests of max_model_len tokens
-RING_SHM_SHARE = 0.25  # ... but takes at most this share of the shared-memory filesystem
+# A ring holds this many engine calls' captured states: the one the replica's host stage reads
+# and the one the engine writes meanwhile (`pool/engine_queue.py` never lets a third wait).
+RING_ENGINE_CALLS = 2
 TAKEN_SUFFIX = ".taken"  # suffix of a record the runner has taken
 
 
-def ring_capacity(longest_request_bytes: int, directory: str = SHM_DIR) -> int:
-    """Bytes of a ring that holds `RING_LONGEST_REQUESTS` of the longest requests the engine
-    accepts (a 4,608-token row of an 8B target in bf16 is 151 MB), at least `DEFAULT_CAPACITY`,
-    at most `RING_SHM_SHARE` of the filesystem under `directory`. The file is sparse: pages
-    are taken as stretches are first written."""
-    wanted = max(DEFAULT_CAPACITY, RING_LONGEST_REQUESTS * longest_request_bytes)
-    try:
-        stats = os.statvfs(directory)
-        wanted = min(wanted, int(stats.f_frsize * stats.f_blocks * RING_SHM_SHARE))
-    except OSError:  # no such filesystem yet: the ring's creation will say so
-        pass
-    return wanted
+def ring_capacity(call_bytes: int) -> int:
+    """Bytes of a ring that holds `RING_ENGINE_CALLS` engine calls of `call_bytes` captured
+    states each (an 8B target's 16,384-token call: 512 MiB), at least `DEFAULT_CAPACITY`. The
+    file is sparse: pages are taken as stretches are first written."""
+    return max(DEFAULT_CAPACITY, RING_ENGINE_CALLS * call_bytes)
+
+
+def check_room(ring_bytes: int, object_store_bytes: int, directory: str = SHM_DIR) -> None:
+    """Refuse a ring that would not fit beside the Ray object store in `directory`'s
+    filesystem (Ray keeps the store in /dev/shm when it fits there): a shared-memory filesystem
+    written past its size kills the writer with SIGBUS, mid-call."""
+    stats = os.statvfs(directory)
+    total, free = stats.f_frsize * stats.f_blocks, stats.f_frsize * stats.f_bavail
+    store = object_store_bytes if object_store_bytes <= total else 0  # else Ray uses /tmp
+    if ring_bytes <= free and ring_bytes + store <= total:
+        return
+    raise ValueError(
+        f"the vLLM hand-off ring needs {ring_bytes / 2**30:.2f} GiB of {directory} beside the "
+        f"Ray object store's {store / 2**30:.2f} GiB, but {directory} holds "
+        f"{total / 2**30:.2f} GiB ({free / 2**30:.2f} GiB free): lower "
+        f"target.max_tokens_per_engine_call (the ring holds {RING_ENGINE_CALLS} engine calls' "
+        f"captured states) or set target.backend_kwargs.handoff_ring_bytes, give the object "
+        f"store less (ray start --object-store-memory), or give the node more shared memory "
+        f"(docker --shm-size; on Kubernetes an emptyDir with medium: Memory on /dev/shm)")
 
 
 def ring_name(key_prefix: str, pid: int | None = None) -> str:

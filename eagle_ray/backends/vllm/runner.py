@@ -3,8 +3,9 @@
 `VLLMTargetRunner` builds one `vllm.LLM` whose speculative method is `extract_hidden_states`
 (capturing vLLM's pre-layer ids) and whose KV connector is eagle_ray's own
 (`connector`). Per micro-batch it runs one batched `generate` with `max_tokens=1`,
-picks each request's `[num_tokens, num_ids, H]` states up from the hand-off, checks their
-length, and pads them back to `[B, S, ...]`. vLLM is imported only when an engine is built.
+picks each request's `[num_tokens, num_ids, H]` states up from the hand-off and checks their
+length; it returns them as they are (`RunnerOutput.rows`): padding and the shift are the host's
+work, off the engine thread. vLLM is imported only when an engine is built.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from eagle_ray.backends.base import RunnerOutput, Sampling, TargetRunner
+from eagle_ray.backends.vllm.engine_args import TP_EXECUTOR, check_vllm_kwargs
 from eagle_ray.backends.vllm.handoff import (
     CAPTURE_ARG,
     PARAMS_KEY,
@@ -34,8 +36,6 @@ logger = logging.getLogger(__name__)
 # The KV-connector plug-in that vLLM loads by module path (it imports vLLM: named, not imported).
 CONNECTOR_MODULE = "eagle_ray.backends.vllm.connector"
 CONNECTOR_CLASS = "EagleRayHiddenStatesConnector"
-# Set by the runner itself; passing them in vllm_kwargs would silently break the capture.
-OWNED_KWARGS = ("model", "speculative_config", "kv_transfer_config", "skip_tokenizer_init")
 # Defaults that work on a small CPU machine; any key in vllm_kwargs wins.
 CPU_DEFAULTS: dict[str, Any] = {
     "enforce_eager": True,
@@ -55,6 +55,9 @@ GPU_DEFAULTS: dict[str, Any] = {
 }
 GPU_ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}  # a value set in the environment wins
 HANDOFF_TIMEOUT_S = 120.0
+# Tokens of one `generate_batch` call the shared-memory ring is sized for, when not told (a pool
+# replica tells it its `max_tokens_per_engine_call`, whose default this is).
+DEFAULT_CALL_TOKENS = 16384
 # vLLM keeps per-process globals (forward context, parallel state) that a second in-process
 # engine overwrites: its first engine then returns wrong hidden states. One per process.
 _live_inprocess_engines: weakref.WeakSet = weakref.WeakSet()
@@ -116,10 +119,22 @@ class VLLMTargetRunner(TargetRunner):
     """Owns one vLLM engine that captures hidden states; see the module docstring.
 
     `capture_ids` are vLLM's pre-layer ids (`vllm_capture_layer_ids`): the first three are the
-    aux layers, the last is the final pre-norm hidden state. `multiprocess` chooses where the
-    engine core runs (default: in this process when `tp_size == 1`, which starts faster and hands
-    states over through a dictionary); `handoff` is "inprocess", "shm" or "file" (default: the
-    cheapest that works for the process layout), turned into a `Handoff` here, once.
+    aux layers, the last is the final pre-norm hidden state. Options:
+
+    - `multiprocess`: run the engine core in its own process; None: only when `tp_size > 1` (an
+      in-process engine starts about 5x faster and hands states over through a dictionary, but
+      there can be one per process).
+    - `handoff`: how captured states come back: "inprocess" (a dictionary; in-process engine,
+      TP 1), "shm" (one persistent ring per engine in /dev/shm, read as zero-copy views) or
+      "file" (a file per request in `handoff_dir`); None: the cheapest that works. Turned into
+      a `Handoff` here, once. `handoff_dir`: the directory of "file" (or of "shm": /dev/shm).
+    - `handoff_ring_bytes`: the "shm" ring's size; None: room for two calls of
+      `max_call_tokens` or `max_model_len` tokens, whichever is more, at least 256 MiB. A
+      request that finds it full comes through a file of its own (`handoff_overflows`).
+    - `max_call_tokens`: the most tokens one call carries (a pool replica passes its
+      `max_tokens_per_engine_call`); `object_store_bytes`: the Ray object store's size on this
+      node, which shares /dev/shm with the ring (a ring that would not fit beside it is
+      refused, naming the setting to change).
     """
 
     def __init__(
@@ -136,14 +151,13 @@ class VLLMTargetRunner(TargetRunner):
         handoff_dir: str | None = None,
         handoff_ring_bytes: int | None = None,
         max_model_len_hint: int = 0,
+        max_call_tokens: int = DEFAULT_CALL_TOKENS,
+        object_store_bytes: int = 0,
     ) -> None:
         from vllm.platforms import current_platform
 
         vllm_kwargs = dict(vllm_kwargs or {})
-        owned = sorted(set(vllm_kwargs) & set(OWNED_KWARGS))
-        if owned:
-            raise ValueError(f"vllm_kwargs may not set {owned}: the vLLM backend sets them to "
-                             f"capture hidden states; pass the model path and aux_layer_ids")
+        check_vllm_kwargs(vllm_kwargs, tp_size)
         tp_from_kwargs = vllm_kwargs.pop("tensor_parallel_size", tp_size)
         if tp_from_kwargs != tp_size:
             raise ValueError(f"tp_size={tp_size} disagrees with vllm_kwargs "
@@ -155,15 +169,22 @@ class VLLMTargetRunner(TargetRunner):
         self.multiprocess = (tp_size > 1) if multiprocess is None else multiprocess
         self.engine_tag = uuid.uuid4().hex[:12]
         self.key_prefix = handoff_key(self.engine_tag, "")  # every key this engine publishes
-        # The longest request the engine accepts sizes the ring (its max_model_len is known only
-        # once it is built; the ring must exist before).
-        longest = int(vllm_kwargs.get("max_model_len") or max_model_len_hint)
+        # One engine call's captured states size the ring: the tokens of a call, or the longest
+        # request the engine accepts if that is more (its max_model_len is known only once it
+        # is built; the ring must exist before).
+        call_tokens = max(max_call_tokens,
+                          int(vllm_kwargs.get("max_model_len") or max_model_len_hint))
         self.handoff: Handoff = choose_handoff(
             handoff, same_process=not self.multiprocess and tp_size == 1,
             key_prefix=self.key_prefix, directory=handoff_dir, ring_bytes=handoff_ring_bytes,
-            longest_request_bytes=longest * len(self.capture_ids) * hidden_size * dtype.itemsize)
+            call_bytes=call_tokens * len(self.capture_ids) * hidden_size * dtype.itemsize,
+            object_store_bytes=object_store_bytes)
 
         engine_kwargs = {**(CPU_DEFAULTS if self.is_cpu else GPU_DEFAULTS), **vllm_kwargs}
+        if tp_size > 1:
+            # The ranks run as this process's workers (in a pool: the replica holds their GPUs);
+            # inside a Ray placement group vLLM would pick its Ray executor by itself.
+            engine_kwargs.setdefault("distributed_executor_backend", TP_EXECUTOR)
         engine_kwargs.update(
             model=str(model_path),
             dtype=str(dtype).removeprefix("torch."),
@@ -238,7 +259,10 @@ class VLLMTargetRunner(TargetRunner):
                 if key is not None:
                     self.handoff.discard(key)
             raise
-        return self._pad(states, input_ids.shape, outputs)
+        # The states stay where the hand-off left them (views of the ring, or the connector's
+        # tensors): the host stage shifts them into the batch, one copy (RunnerOutput.rows).
+        greedy = torch.tensor([o.outputs[0].token_ids[0] for o in outputs], dtype=torch.long)
+        return RunnerOutput(rows=states, next_token_ids=greedy)
 
     def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
         """Generate continuations with the same engine (vLLM holds one per process). These
@@ -290,19 +314,10 @@ class VLLMTargetRunner(TargetRunner):
                                f"for a request of {num_tokens} tokens; expected {list(shape)}")
         return states
 
-    def _pad(self, states: list[torch.Tensor], batch_shape: torch.Size,
-             outputs: list) -> RunnerOutput:
-        batch, seq = batch_shape
-        num_aux = len(self.capture_ids) - 1
-        aux = torch.zeros(batch, seq, num_aux * self.hidden_size, dtype=self.dtype)
-        last = torch.zeros(batch, seq, self.hidden_size, dtype=self.dtype)
-        for row, s in enumerate(states):
-            n = s.shape[0]
-            # Layer axis follows vLLM's sorted ids == ours (ascending aux ids, then N).
-            aux[row, :n] = s[:, :num_aux].reshape(n, num_aux * self.hidden_size)
-            last[row, :n] = s[:, num_aux]
-        greedy = torch.tensor([o.outputs[0].token_ids[0] for o in outputs], dtype=torch.long)
-        return RunnerOutput(aux_hidden_states=aux, last_hidden=last, next_token_ids=greedy)
+    @property
+    def handoff_overflows(self) -> int:
+        """Requests whose states found the shared-memory ring full and came through a file."""
+        return self.handoff.overflows
 
     def shutdown(self) -> None:
         """Stop the engine (and its processes) and drop any leftover hand-off data."""

@@ -15,6 +15,7 @@ from transformers import AutoConfig
 
 from eagle_ray.aux_layers import resolve_eagle3_aux_layer_ids, vllm_capture_layer_ids
 from eagle_ray.backends.base import RunnerEagle3TargetModel
+from eagle_ray.backends.vllm.runner import VLLMTargetRunner
 from eagle_ray.checkpoint import load_embedding_and_head, resolve_dtype
 from eagle_ray.supervision import DraftVocab
 from eagle_ray.target_batch import Encoding
@@ -50,10 +51,7 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
         encoding: Encoding = "last_hidden",
         draft_vocab: DraftVocab | None = None,
         self_check: bool = True,
-        multiprocess: bool | None = None,
-        handoff: str | None = None,
-        handoff_dir: str | None = None,
-        handoff_ring_bytes: int | None = None,
+        **runner_options: Any,
     ) -> VLLMEagle3TargetModel:
         """Build the capturing vLLM engine and read the embedding and head from the checkpoint.
 
@@ -72,19 +70,10 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
             draft_vocab: the draft vocabulary, for the "target_probs" encoding.
             self_check: compare vLLM's greedy token with the head over the captured final state
                 on every micro-batch (`SelfCheckError` on a mismatch); turn off only to debug.
-            multiprocess: run the engine core in its own process; None: only when `tp_size > 1`
-                (an in-process engine starts about 5x faster, but one per process).
-            handoff: how captured states come back: "inprocess" (a dictionary; in-process
-                engine, TP 1), "shm" (one persistent ring per engine in /dev/shm, read as
-                zero-copy views) or "file" (a file per request in `handoff_dir`); None: the
-                cheapest that works.
-            handoff_dir: the directory of the "file" hand-off (or of "shm", default /dev/shm).
-            handoff_ring_bytes: the "shm" ring's size (default: room for two requests of
-                `max_model_len` tokens, at least 256 MiB, at most a quarter of /dev/shm); a
-                request that finds it full goes through a file of its own.
+            **runner_options: where the engine core runs and how captured states come back
+                (`multiprocess`, `handoff`, `handoff_dir`, `handoff_ring_bytes`,
+                `max_call_tokens`, `object_store_bytes`: `runner.VLLMTargetRunner`).
         """
-        from eagle_ray.backends.vllm.runner import VLLMTargetRunner
-
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         text_config = config.get_text_config()
         torch_dtype = resolve_dtype(dtype, text_config)
@@ -95,14 +84,12 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
         runner = VLLMTargetRunner(
             str(model_path), capture_ids, text_config.hidden_size, torch_dtype, tp_size=tp_size,
             trust_remote_code=trust_remote_code, vllm_kwargs=vllm_kwargs,
-            multiprocess=multiprocess, handoff=handoff, handoff_dir=handoff_dir,
-            handoff_ring_bytes=handoff_ring_bytes,
             max_model_len_hint=getattr(text_config, "max_position_embeddings", 0) or 0,
+            **runner_options,
         )
         if not runner.is_cpu and torch.cuda.is_available():
             # The head (and the self-check, and logits / target_probs decoding) on the engine's
-            # GPU, loaded after the engine has sized its KV cache; with TP > 1 over Ray the
-            # replica process may hold no GPU, and the head stays on the host.
+            # first GPU, loaded after the engine has sized its KV cache.
             head = head.to("cuda")
         return cls(
             runner,
