@@ -43,7 +43,9 @@ class SyntheticRunner(TargetRunner):
 
     def __init__(self, hidden_size: int, seconds_per_call: float, seconds_per_token: float,
                  fail_once_marker: str | None = None, hold_while: str | None = None,
-                 hold_first_call_only: bool = False, self_check_failure: bool = False):
+                 hold_first_call_only: bool = False, self_check_failure: bool = False,
+                 out_of_memory_above_tokens: int | None = None,
+                 broken_by_out_of_memory: bool = False):
         self.hidden_size = hidden_size
         self.seconds_per_call = seconds_per_call
         self.seconds_per_token = seconds_per_token
@@ -51,6 +53,10 @@ class SyntheticRunner(TargetRunner):
         self.hold_while = hold_while  # file: calls do not return while it exists (a test's gate)
         self.hold_first_call_only = hold_first_call_only  # only the first call of any replica
         self.self_check_failure = self_check_failure  # every call fails the self-check
+        # An engine call of more tokens runs out of memory (torch's error, as on a GPU); with
+        # `broken_by_out_of_memory` every call fails the self-check after that.
+        self.out_of_memory_above_tokens = out_of_memory_above_tokens
+        self.broken_by_out_of_memory = broken_by_out_of_memory
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RunnerOutput:
         if self.self_check_failure:
@@ -65,6 +71,13 @@ class SyntheticRunner(TargetRunner):
             else:
                 raise RuntimeError("synthetic engine failure (fail_once_marker)")
         tokens = int(attention_mask.sum())
+        if self.out_of_memory_above_tokens is not None \
+                and tokens > self.out_of_memory_above_tokens:
+            self.self_check_failure = self.broken_by_out_of_memory
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate 2.00 GiB (synthetic: an engine call of "
+                f"{tokens} tokens, above out_of_memory_above_tokens="
+                f"{self.out_of_memory_above_tokens})")
         time.sleep(self.seconds_per_call + self.seconds_per_token * tokens)
         self._hold()
         return RunnerOutput(aux_hidden_states=synthetic_aux_states(input_ids, self.hidden_size),
@@ -115,7 +128,8 @@ def fixed_latency_target(config) -> RunnerEagle3TargetModel:
 
     `backend_kwargs`: `vocab_size` (1024), `hidden_size` (8), `seconds_per_call` (0),
     `seconds_per_token` (0), the fault injections of `SyntheticRunner` (`fail_once_marker`,
-    `hold_while`, `hold_first_call_only`, `self_check_failure`), `hold_restart_while`: a
+    `hold_while`, `hold_first_call_only`, `self_check_failure`, `out_of_memory_above_tokens`,
+    `broken_by_out_of_memory`), `hold_restart_while`: a
     file; a replica that Ray restarts does not come back while it exists (a test's gate), and
     `fail_start_while` / `abort_start_while`: a file; a replica built while it exists raises /
     its process exits (no exception to catch) while building its backend.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import time
 from pathlib import Path
 
@@ -85,6 +86,9 @@ class TrainerStandIn:
 
     def node_id(self) -> str:
         return self.client.node_id
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:

@@ -84,7 +84,7 @@ def test_locality_never_overrides_health_or_a_failed_attempt():
 def leased(num_tokens: int, replica: str, kind: RequestKind = RequestKind.SUPERVISION):
     """A micro-batch (as the client records it) leased on `replica`."""
     item = InFlightMicroBatch(next(_ids), inputs=None, num_tokens=num_tokens, kind=kind)
-    return item, Lease(replica, f"actor-{replica}", num_tokens, expires=0.0)
+    return item, Lease(replica, f"actor-{replica}", 0, num_tokens, expires=0.0)
 
 
 _ids = itertools.count()

@@ -1,5 +1,7 @@
-"""The soak's short version: faults of every kind while clients stream; nothing is lost,
-duplicated or wrong (`eagle-ray bench soak --minutes N` is the long one)."""
+"""The soak's short version: faults of every kind while clients stream (replicas and a client
+SIGKILLed, a replica SIGSTOPped, the router killed, replicas removed and added, micro-batches too
+large for the engine's memory); nothing is lost, duplicated or wrong (`eagle-ray bench soak
+--minutes N` is the long one)."""
 
 import pytest
 import ray
@@ -22,3 +24,7 @@ def test_every_fault_kind_while_streaming_loses_and_duplicates_nothing():
     assert (report["lost"], report["duplicated"], report["wrong"]) == (0, 0, 0)
     assert all(report["faults"][fault] >= 1 for fault in FAULTS), report["faults"]
     assert report["retries"] >= 1, "the faults hit micro-batches in flight"
+    # Out of memory fails the oversized micro-batches alone, as such (none is lost or delivered).
+    assert report["out_of_memory"] == report["oversized"] >= 1
+    # The SIGKILLed client's leases went back: nothing stays outstanding once all are done.
+    assert report["leases_taken_back"] >= 1 and report["outstanding_tokens_after"] == 0

@@ -156,6 +156,9 @@ class TargetRunner(abc.ABC):
         """The generated tokens (stop token included, prompt excluded) for each prompt."""
         raise NotImplementedError(f"{type(self).__name__} does not generate text")
 
+    def shutdown(self) -> None:  # noqa: B027 -- optional: a model in this process holds nothing
+        """Stop the engine and free what it holds (nothing to do for an in-process model)."""
+
     @property
     def handoff_overflows(self) -> int:
         """Requests whose captured states took the engine's slow way back to this process
@@ -291,6 +294,10 @@ class RunnerEagle3TargetModel:
             target_probs=probs.masked_fill_(no_next, 0),
             position_mask=position_mask & has_next.squeeze(-1),
         )
+
+    def shutdown(self) -> None:
+        """Stop the engine and free what it holds."""
+        self.runner.shutdown()
 
     def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
         """Generate continuations of token-id prompts with the target (checked first)."""

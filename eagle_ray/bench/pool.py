@@ -206,9 +206,9 @@ def _router_round(pool: TargetPool, n: int, per_call: int, count: int) -> dict:
     latencies = []
     for i in range(200):
         t0 = time.perf_counter()
-        name, _ = ray.get(pool.router.acquire.remote(i, 16, [], 10.0))
+        grant = ray.get(pool.router.acquire.remote(i, 16, [], 10.0))
         latencies.append(time.perf_counter() - t0)
-        ray.get(pool.router.release.remote(name, 16, True))
+        ray.get(pool.router.release.remote(grant, 16, True))
     spans = ray.get(runs)
     after = pool.status()
     for actor in actors:

@@ -6,7 +6,8 @@ asked from the router in batches: `router_link`), call the leased replica direct
 on one replica at once share a call: `replica_calls`), and read the result from the object
 store. The client owns every result, so it survives a router restart; it re-runs a micro-batch
 on another replica when its replica dies, times out or reports an engine error, and drops late
-duplicates. Results come back in submission order, exactly once.
+duplicates; a micro-batch that runs out of memory is tried on one more replica, then fails with
+`MicroBatchOutOfMemory`. Results come back in submission order, exactly once.
 
 Example:
     >>> client = PoolClient.connect("eagle_ray_pool", namespace="eagle_ray")  # doctest: +SKIP
@@ -30,11 +31,18 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from eagle_ray.backends.base import Sampling
 from eagle_ray.config.pool import ClientConfig
 from eagle_ray.pool import replica_calls
-from eagle_ray.pool.failures import FailureKind, classify
+from eagle_ray.pool.failures import (
+    OUT_OF_MEMORY_ATTEMPTS,
+    FailureKind,
+    classify,
+    is_out_of_memory,
+)
 from eagle_ray.pool.inflight import InFlightMicroBatch, Window
 from eagle_ray.pool.protocol import (
+    MEMORY_ADVICE,
     ClientStats,
     MicroBatchFailed,
+    MicroBatchOutOfMemory,
     NoReplicaAvailable,
     ReplicaInfo,
     RequestKind,
@@ -290,13 +298,19 @@ class PoolClient:
             answers = replica_calls.answers(ref, items)
         except RayActorError as e:
             for item in items:
-                self._attempt_failed(item, f"replica died ({type(e).__name__})",
-                                     replica_died=True)
+                if is_out_of_memory(e):  # killed by its node's memory monitor
+                    self._out_of_memory(item, e, replica_died=True)
+                else:
+                    self._attempt_failed(item, f"replica died ({type(e).__name__})",
+                                         replica_died=True)
             return
         except GetTimeoutError:  # not actually ready; look again next round
             return
         for item, own in zip(items, answers, strict=True):
             kind = classify(own) if isinstance(own, BaseException) else None
+            if kind is FailureKind.OUT_OF_MEMORY:
+                self._out_of_memory(item, own, replica_died=False)
+                continue
             if kind is FailureKind.TRANSIENT:
                 self._attempt_failed(item, f"{type(own).__name__}: {own}", replica_died=False)
                 continue
@@ -322,6 +336,23 @@ class PoolClient:
             logger.warning("micro-batch %d: %s; re-running on another replica",
                            item.micro_batch_id, item.errors[-1])
             self.stats.retries += 1
+
+    def _out_of_memory(self, item: InFlightMicroBatch, error: BaseException,
+                       replica_died: bool) -> None:
+        """Not a replica's fault: tried once more on another replica, then the micro-batch's own
+        error, naming memory, its size and what to change."""
+        self._release(item, ok=False, replica_died=replica_died)
+        item.out_of_memory += 1
+        if item.out_of_memory < OUT_OF_MEMORY_ATTEMPTS and item.attempts < self.config.max_attempts:
+            item.attempt_failed(f"out of memory: {error}", self.config.max_attempts)
+            logger.warning("micro-batch %d (%d tokens) ran out of memory on a replica; trying "
+                           "another once", item.micro_batch_id, item.num_tokens)
+            self.stats.retries += 1
+            return
+        item.fail(error if isinstance(error, MicroBatchOutOfMemory) else MicroBatchOutOfMemory(
+            f"micro-batch {item.micro_batch_id} ({item.num_tokens} tokens) ran out of memory "
+            f"on {item.attempts} replica(s): {type(error).__name__}: {str(error)[:300]} -- "
+            f"{MEMORY_ADVICE}"))
 
     def _raise_fatal(self) -> None:
         """A configuration error stops the client at once, whichever micro-batch it hit."""

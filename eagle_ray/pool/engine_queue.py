@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from eagle_ray.pool.protocol import EngineStats
+from eagle_ray.pool.failures import FailureKind, classify
+from eagle_ray.pool.protocol import EngineStats, MicroBatchOutOfMemory
 from eagle_ray.target_batch import Eagle3TargetBatch
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids, attention, loss [B, S]
@@ -44,8 +45,9 @@ MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids, atten
 @dataclasses.dataclass
 class _Job:
     future: Future
-    micro_batch: MicroBatch | None = None  # merged with its neighbours
+    micro_batch: MicroBatch | None = None  # merged with its neighbours (unless `alone`)
     call: Callable[[], Any] | None = None  # runs alone
+    alone: bool = False  # a merged call it was in ran out of memory: it runs by itself
 
 
 @dataclasses.dataclass
@@ -65,7 +67,10 @@ class EngineQueue:
     Eagle3TargetBatch` turns what it returned into supervision (`RunnerEagle3TargetModel`'s
     `run_engine` and `finish_batch`). `generate_many` queues micro-batches, `call` anything else
     (run on the engine thread, alone); `run_guarded(call)` wraps every stage's work (the
-    replica's failure handling). `stats` counts engine calls, the micro-batches they carried,
+    replica's failure handling); `recover()` runs on the engine thread after an engine call ran
+    out of memory (the replica frees memory and checks its engine). A merged call that runs out
+    of memory is run again micro-batch by micro-batch, so only the one too large fails (with
+    `MicroBatchOutOfMemory`). `stats` counts engine calls, the micro-batches they carried,
     the calls that merged several, the jobs waiting or inside now, and the seconds each stage
     worked (`engine_s`, `host_s`: the engine's share of wall time is its utilisation).
     """
@@ -73,10 +78,12 @@ class EngineQueue:
     def __init__(self, run_engine: Callable[[MicroBatch], Any],
                  finish: Callable[[Any], Eagle3TargetBatch],
                  run_guarded: Callable[[Callable[[], Any]], Any], max_tokens: int,
-                 name: str = "engine", pipelined: bool = True) -> None:
+                 name: str = "engine", pipelined: bool = True,
+                 recover: Callable[[], None] = lambda: None) -> None:
         self._run_engine = run_engine
         self._finish = finish
         self._run_guarded = run_guarded
+        self._recover = recover
         self.max_tokens = max_tokens
         self._jobs: collections.deque[_Job] = collections.deque()
         self._wake = threading.Condition()
@@ -121,10 +128,11 @@ class EngineQueue:
             while not self._jobs:
                 self._wake.wait()
             first = self._jobs.popleft()
-            if first.call is not None:
+            if first.call is not None or first.alone:
                 return [first]
             jobs, rows, seq = [first], first.micro_batch[0].shape[0], first.micro_batch[0].shape[1]
-            while self._jobs and self._jobs[0].micro_batch is not None:
+            while self._jobs and self._jobs[0].micro_batch is not None \
+                    and not self._jobs[0].alone:
                 ids = self._jobs[0].micro_batch[0]
                 merged_rows, merged_seq = rows + ids.shape[0], max(seq, ids.shape[1])
                 if merged_rows * merged_seq > self.max_tokens:
@@ -148,8 +156,20 @@ class EngineQueue:
             return
         parts = [job.micro_batch for job in jobs]
         self._count(micro_batches=len(jobs), merged_calls=int(len(jobs) > 1))
-        output = self._timed(lambda: self._run_guarded(
-            lambda: self._run_engine(merge_micro_batches(parts))), "engine_s")
+        merged = merge_micro_batches(parts)
+        output = self._timed(lambda: self._run_guarded(lambda: self._run_engine(merged)),
+                             "engine_s")
+        if isinstance(output, BaseException) and classify(output) is FailureKind.OUT_OF_MEMORY:
+            if len(jobs) > 1:  # each alone, first in line: only the one too large fails
+                with self._wake:
+                    for job in reversed(jobs):
+                        job.alone = True
+                        self._jobs.appendleft(job)
+            else:  # its answer first; then the replica frees memory and checks its engine
+                self._fail(jobs, MicroBatchOutOfMemory.of(output, *merged[0].shape,
+                                                          int(merged[1].sum())))
+            self._recover()
+            return
         if isinstance(output, BaseException):
             self._fail(jobs, output)
         elif self._finished is None:

@@ -4,6 +4,9 @@
   replica keeps serving.
 - A configuration error (the self-check: wrong layer-id convention, a norm applied twice, a dtype
   mismatch) repeats on every replica: the client stops the stream at once with its message.
+- Out of memory is the micro-batch's error, not the replica's: the replica frees what the call
+  took, checks its engine and keeps serving; the client tries the micro-batch once more on
+  another replica, then raises `MicroBatchOutOfMemory` (its size and what to change).
 - Anything else is transient (a dead or hung replica, an engine fault): the replica restarts with
   a fresh engine and the client re-runs the micro-batch on another replica.
 """
@@ -11,10 +14,12 @@
 from __future__ import annotations
 
 import enum
+import re
 
 from ray.experimental import internal_kv
 
 from eagle_ray.backends.base import SelfCheckError
+from eagle_ray.pool.protocol import MicroBatchOutOfMemory
 
 # A replica whose process dies this many times while building its backend (an abort, a segfault,
 # the out-of-memory killer: nothing it could catch) stops trying and reports itself failed.
@@ -29,6 +34,9 @@ class FailureKind(enum.Enum):
 
     CONFIGURATION = "configuration"
     """The target is misconfigured; every replica would repeat it. Stop the job."""
+
+    OUT_OF_MEMORY = "out_of_memory"
+    """The engine ran out of memory on this micro-batch. The replica stays; try once more."""
 
     TRANSIENT = "transient"
     """This replica or attempt failed. Restart the engine, re-run elsewhere."""
@@ -61,8 +69,20 @@ def startup_error(error: BaseException) -> str:
     return message
 
 
+OUT_OF_MEMORY_ATTEMPTS = 2  # a micro-batch that ran out of memory is tried once more elsewhere
+# torch's and Ray's out-of-memory errors by name (torch.OutOfMemoryError, the CUDA one,
+# ray.exceptions.OutOfMemoryError), and the words CUDA, vLLM and Ray's memory monitor use.
+_OUT_OF_MEMORY = re.compile(r"out[ _]of[ _]memory|OutOfMemory|memory pressure", re.IGNORECASE)
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` says memory ran out (its type or its words)."""
+    return isinstance(error, MemoryError | MicroBatchOutOfMemory) or bool(
+        _OUT_OF_MEMORY.search(f"{type(error).__name__} {error}"))
+
+
 def classify(error: BaseException) -> FailureKind:
     """The kind of `error` (the original exception, not Ray's wrapper)."""
+    if is_out_of_memory(error):
+        return FailureKind.OUT_OF_MEMORY
     if isinstance(error, SelfCheckError | NotImplementedError):  # e.g. a backend without text
         return FailureKind.CONFIGURATION
     if isinstance(error, ValueError | TypeError):

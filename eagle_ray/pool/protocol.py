@@ -35,8 +35,9 @@ class EngineStats:
     """A replica's engine pipeline (`EngineQueue`): calls, micro-batches in them, calls that
     merged several, micro-batches queued or inside now, seconds the engine ran (`engine_s`: over
     wall time, its utilisation), seconds the host stage turned engine output into supervision
-    (`host_s`, beside the engine when pipelined), and requests whose captured states found
-    vLLM's shared-memory ring full (`handoff_overflows`)."""
+    (`host_s`, beside the engine when pipelined), requests whose captured states found
+    vLLM's shared-memory ring full (`handoff_overflows`), and engines rebuilt in place after
+    running out of memory broke them (`engine_restarts`)."""
 
     engine_calls: int = 0
     micro_batches: int = 0
@@ -45,6 +46,7 @@ class EngineStats:
     engine_s: float = 0.0
     host_s: float = 0.0
     handoff_overflows: int = 0
+    engine_restarts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +71,22 @@ class ReplicaInfo:
 
 # ---------------------------------------------------------------- client <-> router
 
-# A lease as granted: the replica's actor name and id (the client keeps a handle per id).
-Grant = tuple[str, str]
+# A lease as granted: the replica's actor name and id (the client keeps a handle per id), and the
+# lease's id (what the client reports it by).
+Grant = tuple[str, str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseOwner:
+    """Who holds a client's leases, so the router can take them back from a client that died:
+    `key` names the client; `alive` is `[ref]` of an object the client put (in a list, so the
+    router receives the ref and not its value): reading it fails once the client's process is
+    gone. `term_s`: how long the client may hold a lease without reporting it (one attempt's
+    timeout plus `lease_reuse_s`); the router takes back a lease silent longer than that."""
+
+    key: str
+    alive: list[Any]
+    term_s: float
 
 
 class LeaseRequest(NamedTuple):
@@ -87,6 +103,7 @@ class Lease:
 
     replica: str
     actor_id: str
+    lease_id: int
     tokens: int
     expires: float  # time.monotonic()
 
@@ -94,13 +111,15 @@ class Lease:
 class LeaseReport(NamedTuple):
     """What a client tells the router about a lease: a micro-batch's outcome on it (`ok`; None
     when there is none: a lease handed back unused) and, once the client hands the lease back,
-    its tokens (`returned_tokens`; None while the client passes it on to its next micro-batch)."""
+    its tokens (`returned_tokens`; None while the client passes it on to its next micro-batch).
+    A report on a lease the router already took back (`lease_id` unknown) counts no tokens."""
 
     replica: str
     served_tokens: int
     ok: bool | None
     replica_died: bool = False
     returned_tokens: int | None = None
+    lease_id: int = -1
 
 
 Releases = list[LeaseReport] | tuple[()]
@@ -213,6 +232,7 @@ class PoolStatus:
     ready_replicas: int
     leases: int
     lease_calls: int
+    leases_taken_back: int  # from clients that died or stayed silent past their term
     locality: bool
     on_node_share: float | None
     demand_tokens: int
@@ -239,6 +259,24 @@ def _plain(value: Any) -> Any:
 
 class MicroBatchFailed(RuntimeError):
     """A micro-batch could not be served; the message says where it was tried and why."""
+
+
+MEMORY_ADVICE = ("send smaller micro-batches (data.max_tokens_per_micro_batch, "
+                 "data.micro_batch_size; the pool merges at most "
+                 "target.max_tokens_per_engine_call), give the engine more memory "
+                 "(target.vllm_kwargs.gpu_memory_utilization) or lower "
+                 "target.vllm_kwargs.max_model_len")
+
+
+class MicroBatchOutOfMemory(RuntimeError):
+    """The target engine ran out of memory on a micro-batch (the message: its size, the
+    engine's error, what to change). The replica that raised it keeps serving."""
+
+    @classmethod
+    def of(cls, error: BaseException, rows: int, seq: int, tokens: int) -> MicroBatchOutOfMemory:
+        return cls(f"the target engine ran out of memory on a micro-batch of {tokens} tokens "
+                   f"({rows} rows x {seq} padded positions): {type(error).__name__}: "
+                   f"{str(error)[:300]} -- {MEMORY_ADVICE}")
 
 
 class NoReplicaAvailable(RuntimeError):

@@ -8,6 +8,7 @@ finishes each engine call's output on another while the engine runs the next
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import threading
@@ -37,6 +38,8 @@ from eagle_ray.target_batch import validate_micro_batch, validate_prompts
 
 logger = logging.getLogger(__name__)
 
+PROBE_TOKENS = 8  # the micro-batch a replica checks its engine with after running out of memory
+
 
 def _node_object_store_bytes() -> int:
     """The Ray object store's capacity on this replica's node (it shares /dev/shm with vLLM's
@@ -64,13 +67,16 @@ class TargetReplica:
     """Ray actor owning one target backend; the router hands its handle to clients.
 
     Errors are sorted by `failures.classify`: bad input and configuration errors are returned to
-    the caller and the replica keeps serving; anything else from the engine ends the process so
-    Ray restarts the actor with a fresh engine instead of leaving a replica that fails every call.
+    the caller and the replica keeps serving; a micro-batch that runs out of memory fails alone
+    (`MicroBatchOutOfMemory`) while the replica frees the memory and checks its engine; anything
+    else from the engine ends the process so Ray restarts the actor with a fresh engine instead
+    of leaving a replica that fails every call.
     """
 
     def __init__(self, config: PoolConfig, index: int) -> None:
         logging.basicConfig(level=logging.INFO)
         self.index = index
+        self.config = config
         self.started = time.time()
         self.startup_error: str | None = None
         attempts = StartAttempts(ray.get_runtime_context().get_actor_id())
@@ -104,7 +110,7 @@ class TargetReplica:
             lambda micro_batch: self.backend.run_engine(*micro_batch, checked=True),
             lambda engine_output: self.backend.finish_batch(engine_output, device=where),
             self._serve, config.max_tokens_per_engine_call, name=f"engine-{index}",
-            pipelined=config.replica_pipeline)
+            pipelined=config.replica_pipeline, recover=self._recover_from_out_of_memory)
         logger.info("replica %d ready on node %s", index,
                     ray.get_runtime_context().get_node_id())
 
@@ -182,6 +188,43 @@ class TargetReplica:
         with self._count_lock:  # request threads finish concurrently
             self.served_tokens += tokens
             self.served_micro_batches += 1
+
+    def _recover_from_out_of_memory(self) -> None:
+        """After an engine call ran out of memory (on the engine thread, once that call's
+        micro-batches have their answer): free what it took and check the engine still serves a
+        small micro-batch correctly (vLLM's self-check runs on it). An engine broken by it is
+        rebuilt in this process (`engine_restarts`); the waiting micro-batches then run on the
+        new one. One that cannot be rebuilt ends the process (Ray restarts the replica)."""
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if self._engine_works():
+            logger.warning("replica %d: a micro-batch ran out of memory; memory freed, the "
+                           "engine still serves", self.index)
+            return
+        logger.error("replica %d: its engine fails after running out of memory; building a "
+                     "new one", self.index)
+        self.backend.shutdown()
+        try:
+            self.backend = build_backend(self.config,
+                                         object_store_bytes=_node_object_store_bytes())
+        except Exception:
+            logger.exception("replica %d: no new engine; exiting so Ray restarts this replica",
+                             self.index)
+            os._exit(1)
+        self.engine.stats.engine_restarts += 1
+        if not self._engine_works():
+            os._exit(1)
+
+    def _engine_works(self) -> bool:
+        """Whether the engine serves a small micro-batch (the self-check included)."""
+        probe = torch.arange(1, PROBE_TOKENS + 1).remainder(self.backend.vocab_size).view(1, -1)
+        try:
+            self.backend.generate_batch(probe, torch.ones_like(probe), device="cpu")
+        except Exception:
+            logger.exception("replica %d: the engine check failed", self.index)
+            return False
+        return True
 
     def _serve(self, call: Callable[[], Any]) -> Any:
         """Run `call` on the engine; a transient failure ends the process (Ray restarts it, and

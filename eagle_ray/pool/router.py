@@ -21,10 +21,12 @@ import psutil
 import ray
 from ray.actor import ActorHandle
 
+from eagle_ray.pool.leases import GrantedLease, LeaseBook, owner_gone
 from eagle_ray.pool.protocol import (
     AutoscalingReport,
     Demand,
     Grant,
+    LeaseOwner,
     LeaseReport,
     LeaseRequest,
     NoReplicaAvailable,
@@ -64,6 +66,8 @@ class PoolRouter:
         self._removed: set[str] = set()  # names dropped on purpose; discovery skips them
         self._changed = asyncio.Condition()  # notified whenever capacity or membership changes
         self._leases = 0
+        self._book = LeaseBook()  # leases granted and not handed back: whose, until when
+        self._taken_back = 0  # leases taken back from clients that died or went silent
         self._lease_calls = 0  # acquire_many + release_many calls (a fraction per lease)
         self._waiting_tokens = 0  # of lease requests waiting for room (part of the demand)
         self._autoscaling: AutoscalingReport | None = None  # the controller's last report
@@ -135,10 +139,8 @@ class PoolRouter:
                         self._probe_soon(replica)
                 if health_round:
                     self._last_health = time.monotonic()
-                for state, gauge in ((ReplicaState.READY, self._metrics.ready),
-                                     (ReplicaState.FAILED, self._metrics.failed)):
-                    gauge.set(sum(r.state is state for r in self._replicas.values()),
-                              tags={"pool": self._metrics.pool})
+                await self._take_back_leases()
+                self._metrics.states([r.state for r in self._replicas.values()])
             except Exception:  # keep discovering whatever one round hit
                 logger.exception("replica discovery failed")
             await asyncio.sleep(DISCOVERY_PERIOD_S)
@@ -197,13 +199,14 @@ class PoolRouter:
 
     async def acquire_many(self, requests: list[LeaseRequest], timeout_s: float,
                            client_node: str | None = None, releases: Releases = (),
-                           ) -> list[Grant | None]:
+                           owner: LeaseOwner | None = None) -> list[Grant | None]:
         """Leases for a client's waiting micro-batches `(id, tokens, replicas to avoid)`, in one
         call: waits (backpressure, up to `timeout_s`) until the first can be granted, then grants
         every other one that fits now; None for the rest (the client asks again). Each is chosen
         by `routing.choose_replica`, preferring `client_node` when locality is on. `releases`: the
         client's finished leases since its last call (`release_many`'s reports), applied first,
-        so one call per client round carries both."""
+        so one call per client round carries both. `owner`: the client, whose leases go back
+        when it dies or falls silent (`pool/leases.py`)."""
         started = time.monotonic()
         self._lease_calls += 1
         waiting = sum(tokens for _, tokens, _ in requests)
@@ -216,8 +219,8 @@ class PoolRouter:
             self._waiting_tokens += waiting
             try:
                 grants.append(await self._grant(*requests[0], timeout_s, client_node,
-                                                started + timeout_s))
-                grants += [self._try_grant(tokens, avoid, client_node)
+                                                started + timeout_s, owner))
+                grants += [self._try_grant(tokens, avoid, client_node, owner)
                            for _, tokens, avoid in requests[1:]]
                 return grants
             finally:
@@ -228,10 +231,10 @@ class PoolRouter:
 
     async def _grant(self, micro_batch_id: int, num_tokens: int, avoid: list[str],
                      timeout_s: float, client_node: str | None,
-                     deadline: float) -> Grant:
+                     deadline: float, owner: LeaseOwner | None) -> Grant:
         """Wait (holding `self._changed`) for a replica with room for one micro-batch."""
         while True:
-            grant = self._try_grant(num_tokens, avoid, client_node)
+            grant = self._try_grant(num_tokens, avoid, client_node, owner)
             if grant is not None:
                 return grant
             self._raise_if_all_failed()
@@ -243,8 +246,8 @@ class PoolRouter:
                     f"{'; already failed on ' + str(sorted(avoid)) if avoid else ''}"
                 )
 
-    def _try_grant(self, num_tokens: int, avoid: list[str], client_node: str | None
-                   ) -> Grant | None:
+    def _try_grant(self, num_tokens: int, avoid: list[str], client_node: str | None,
+                   owner: LeaseOwner | None = None) -> Grant | None:
         """Lease the replica the policy chooses now, or None when none has room."""
         replica = choose_replica(self._replicas.values(), num_tokens, set(avoid),
                                  self._max_tokens, client_node if self._locality else None)
@@ -260,7 +263,8 @@ class PoolRouter:
         self._leases += 1
         self._metrics.outstanding.set(replica.outstanding_tokens,
                                       tags=self._metrics.replica(replica.name))
-        return replica.name, replica.actor_id
+        lease_id = self._book.grant(replica.name, num_tokens, owner, time.monotonic())
+        return replica.name, replica.actor_id, lease_id
 
     async def _wait_for_change(self, deadline: float) -> bool:
         """Wait (holding `self._changed`) for a capacity or membership change, at most a second
@@ -274,10 +278,12 @@ class PoolRouter:
             pass
         return True
 
-    async def release(self, name: str, num_tokens: int, ok: bool,
+    async def release(self, grant: Grant, num_tokens: int, ok: bool,
                       replica_died: bool = False) -> None:
         """A leased micro-batch finished, failed or timed out, and its lease is handed back."""
-        await self.release_many([LeaseReport(name, num_tokens, ok, replica_died, num_tokens)])
+        name, _, lease_id = grant
+        await self.release_many([LeaseReport(name, num_tokens, ok, replica_died, num_tokens,
+                                             lease_id)])
 
     async def release_many(self, reports: Releases) -> None:
         """A client's `LeaseReport`s since its last call, in one call."""
@@ -289,15 +295,15 @@ class PoolRouter:
 
     def _release(self, report: LeaseReport) -> None:
         name = report.replica
+        if report.returned_tokens is None:
+            self._book.heard(report.lease_id, time.monotonic())
+        else:
+            lease = self._book.give_back(report.lease_id)
+            if lease is not None:  # else taken back already: its tokens are not counted twice
+                self._return(lease)
         replica = self._replicas.get(name)
         if replica is None:
             return
-        if report.returned_tokens is not None:
-            replica.outstanding_tokens = max(0, replica.outstanding_tokens
-                                             - report.returned_tokens)
-            replica.outstanding_micro_batches = max(0, replica.outstanding_micro_batches - 1)
-            self._metrics.outstanding.set(replica.outstanding_tokens,
-                                          tags=self._metrics.replica(name))
         if report.ok:
             replica.served_tokens += report.served_tokens
             replica.served_micro_batches += 1
@@ -309,6 +315,36 @@ class PoolRouter:
             if report.replica_died and replica.state is ReplicaState.READY:
                 replica.state = ReplicaState.SUSPECT
                 self._probe_soon(replica)
+
+    def _return(self, lease: GrantedLease) -> None:
+        """A lease's tokens are no longer outstanding on its replica."""
+        replica = self._replicas.get(lease.replica)
+        if replica is None:
+            return
+        replica.outstanding_tokens = max(0, replica.outstanding_tokens - lease.tokens)
+        replica.outstanding_micro_batches = max(0, replica.outstanding_micro_batches - 1)
+        self._metrics.outstanding.set(replica.outstanding_tokens,
+                                      tags=self._metrics.replica(lease.replica))
+
+    async def _take_back_leases(self) -> None:
+        """Leases whose client's process is gone (Ray says so when the router reads the object
+        the client owns), and leases silent past their term, go back to their replicas."""
+        taken = self._book.expired(time.monotonic())
+        owners = self._book.owners()
+        gone = await asyncio.gather(*(owner_gone(owner) for owner in owners))
+        for owner, dead in zip(owners, gone, strict=True):
+            if dead:
+                taken += self._book.owner_gone(owner.key)
+                logger.warning("client %s is gone; taking its leases back", owner.key)
+        if not taken:
+            return
+        for lease in taken:
+            self._return(lease)
+        self._taken_back += len(taken)
+        logger.warning("took back %d lease(s) (%d tokens) from clients that died or went silent",
+                       len(taken), sum(lease.tokens for lease in taken))
+        async with self._changed:
+            self._changed.notify_all()
 
     # ------------------------------------------------------------------ status
 
@@ -334,7 +370,8 @@ class PoolRouter:
         return PoolStatus(
             replicas={name: r.summary() for name, r in sorted(self._replicas.items())},
             ready_replicas=sum(r.state is ReplicaState.READY for r in replicas),
-            leases=self._leases, lease_calls=self._lease_calls, locality=self._locality,
+            leases=self._leases, lease_calls=self._lease_calls, leases_taken_back=self._taken_back,
+            locality=self._locality,
             on_node_share=round(sum(r.on_node_leases for r in replicas) / leases, 3)
             if leases else None,
             demand_tokens=self._demand_tokens(), autoscaling=self._autoscaling,
@@ -358,3 +395,4 @@ class PoolRouter:
                   if r.state is ReplicaState.FAILED and r.info is not None}
         if errors and len(errors) == len(self._replicas):
             raise ReplicaStartupError.of(self._metrics.pool, errors, len(self._replicas))
+

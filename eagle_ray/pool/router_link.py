@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 
 import ray
@@ -25,6 +26,7 @@ from eagle_ray.pool.inflight import InFlightMicroBatch
 from eagle_ray.pool.protocol import (
     Grant,
     Lease,
+    LeaseOwner,
     LeaseReport,
     LeaseRequest,
     NoReplicaAvailable,
@@ -45,10 +47,15 @@ class RouterLink:
     """See the module docstring. `connect` builds one; the client owns it."""
 
     def __init__(self, router: ActorHandle, router_name: str | None, namespace: str | None,
-                 node_id: str, lease_reuse_s: float = 0.0) -> None:
+                 node_id: str, lease_reuse_s: float = 0.0, term_s: float = 600.0) -> None:
         self.router, self.router_name, self.namespace = router, router_name, namespace
         self.node_id = node_id  # sent with every request, for locality-aware leases
         self.lease_reuse_s = lease_reuse_s
+        # Who holds this client's leases: an object this process owns, which the router reads
+        # to learn that the process is gone (its leases then go back), and how long a lease
+        # may go unreported (`pool/leases.py`).
+        key = uuid.uuid4().hex[:12]
+        self.owner = LeaseOwner(key, [ray.put(key)], term_s)
         self._reports: list[LeaseReport] = []
         self._spares: list[Lease] = []  # leases free since their micro-batch finished
         self._last_sent = time.monotonic()
@@ -83,7 +90,7 @@ class RouterLink:
                                type(e).__name__)
                 time.sleep(ROUTER_RETRY_S)
         link = cls(router, router_name, namespace, ray.get_runtime_context().get_node_id(),
-                   config.lease_reuse_s)
+                   config.lease_reuse_s, config.timeout_s + config.lease_reuse_s)
         return link, info, unavailable
 
     def lease(self, grant: Grant, tokens: int) -> Lease:
@@ -108,8 +115,7 @@ class RouterLink:
             self._last_sent = time.monotonic()
             ref = self.router.acquire_many.remote(
                 [LeaseRequest(i.micro_batch_id, i.num_tokens, i.failed_on) for i in asked],
-                timeout_s,
-                self.node_id, reports)
+                timeout_s, self.node_id, reports, self.owner)
             for item in asked:
                 item.lease_ref = ref
         return matched
@@ -152,13 +158,14 @@ class RouterLink:
         expires; a failure hands it back."""
         keep = ok and time.monotonic() < lease.expires
         self._reports.append(LeaseReport(lease.replica, tokens, ok, replica_died,
-                                         None if keep else lease.tokens))
+                                         None if keep else lease.tokens, lease.lease_id))
         if keep:
             self._spares.append(lease)
 
     def _give_back(self, leases: list[Lease]) -> None:
         for lease in list(leases):
-            self._reports.append(LeaseReport(lease.replica, 0, None, False, lease.tokens))
+            self._reports.append(LeaseReport(lease.replica, 0, None, False, lease.tokens,
+                                             lease.lease_id))
             self._spares.remove(lease)
 
     def replica(self, name: str, actor_id: str) -> ActorHandle:

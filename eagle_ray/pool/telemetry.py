@@ -11,6 +11,7 @@ from __future__ import annotations
 from ray.util import metrics
 
 from eagle_ray.pool.protocol import EngineStats
+from eagle_ray.pool.states import ReplicaState
 
 REPLICA_TAGS = ("pool", "replica")
 
@@ -54,6 +55,12 @@ class RouterMetrics:
 
     def replica(self, name: str) -> dict[str, str]:
         return {"pool": self.pool, "replica": name}
+
+    def states(self, states: list[ReplicaState]) -> None:
+        """How many of the pool's replicas are ready and how many failed to start."""
+        tags = {"pool": self.pool}
+        self.ready.set(sum(s is ReplicaState.READY for s in states), tags=tags)
+        self.failed.set(sum(s is ReplicaState.FAILED for s in states), tags=tags)
 
     def engine(self, name: str, stats: EngineStats) -> None:
         """A replica's engine counters, as its latest probe answered them."""

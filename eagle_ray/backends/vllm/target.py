@@ -104,7 +104,3 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
             max_length=runner.max_model_len - 1,
             self_check=self_check,
         )
-
-    def shutdown(self) -> None:
-        """Stop the engine and free what it holds."""
-        self.runner.shutdown()
