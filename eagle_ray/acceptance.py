@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ import numpy as np
 from eagle_ray.chat import prompt_for_turn
 from eagle_ray.console import native_output_to_log
 from eagle_ray.eval_prompts import EvalPrompt
+from eagle_ray.serving import DraftServing
 
 logger = logging.getLogger(__name__)
 
@@ -123,26 +123,20 @@ def answer_turn_by_turn(prompts: Sequence[EvalPrompt], tokenizer, answer: Answer
     return sent, failed
 
 
-def speculative_config(draft_dir: str | Path, k: int) -> dict[str, Any]:
-    """vLLM's `speculative_config` for serving `draft_dir` as the target's EAGLE-3 draft (the
-    evaluation and the printed `vllm serve` command use the same)."""
-    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
-
-
 def vllm_acceptance_table(
-    model_path: str, draft_dir: str | Path, prompts: Sequence[EvalPrompt], tokenizer,
+    serving: DraftServing, prompts: Sequence[EvalPrompt], tokenizer,
     ks: Sequence[int], temperatures: Sequence[float], max_new_tokens: int,
     stop_token_ids: Sequence[int] = (), reference: Answerer | None = None,
-    dtype: str = "float32", bootstrap_samples: int = 1000, seed: int = 0,
-    engine_kwargs: dict[str, Any] | None = None,
+    bootstrap_samples: int = 1000, seed: int = 0,
 ) -> list[dict[str, Any]]:
     """One row per (k, temperature): `summarise`'s figures, the prompts that failed (counted,
     with why), and at temperature 0 the share of answers equal to `reference`'s (the target's
-    greedy answers without speculation; speculation must not change them)."""
+    greedy answers without speculation; speculation must not change them; `reference` answers
+    None for a prompt it does not know, which counts as changed)."""
     rows = []
-    max_model_len = _max_model_len(model_path, prompts, tokenizer, max_new_tokens)
+    max_model_len = _max_model_len(serving.model_path, prompts, tokenizer, max_new_tokens)
     for k in ks:
-        with _spec_engine(model_path, draft_dir, k, dtype, engine_kwargs, max_model_len) as llm:
+        with _spec_engine(serving, k, max_model_len) as llm:
             for temperature in temperatures:
                 rows.append(_measure(llm, prompts, tokenizer, k, temperature, max_new_tokens,
                                      stop_token_ids, reference, bootstrap_samples, seed))
@@ -172,8 +166,8 @@ def _measure(llm, prompts: Sequence[EvalPrompt], tokenizer, k: int, temperature:
             if metrics is not None:  # None: the answer ended before a draft was verified
                 tallies[i].add(metrics.histogram)
         if temperature == 0 and reference is not None:
-            greedy_equal.extend(a == r for a, r in zip(answers, reference(owners, batch),
-                                                        strict=True))
+            greedy_equal.extend(r is not None and a == r for a, r in zip(
+                answers, reference(owners, batch), strict=True))
         return answers
 
     room = llm.llm_engine.model_config.max_model_len - max_new_tokens
@@ -205,22 +199,20 @@ def _max_model_len(model_path: str, prompts: Sequence[EvalPrompt], tokenizer,
 
 
 @contextlib.contextmanager
-def _spec_engine(model_path: str, draft_dir: str | Path, k: int, dtype: str,
-                 engine_kwargs: dict[str, Any] | None, max_model_len: int) -> Iterator[Any]:
-    """vLLM serving `draft_dir` as the target's EAGLE-3 draft with `k` tokens per step, keeping
-    per-request acceptance counters."""
+def _spec_engine(serving: DraftServing, k: int, max_model_len: int) -> Iterator[Any]:
+    """vLLM serving the draft as the target's EAGLE-3 draft with `k` tokens per step (as
+    `serving.command(k)` does), keeping per-request acceptance counters."""
     from vllm.platforms import current_platform
 
     from eagle_ray.backends.vllm.runner import CPU_DEFAULTS, GPU_DEFAULTS, build_llm
     from eagle_ray.tokenizer_files import serves_without_tokenizer
 
     kwargs = {**(CPU_DEFAULTS if current_platform.is_cpu() else GPU_DEFAULTS),
-              **(engine_kwargs or {})}
+              **serving.engine_kwargs(k)}
     with native_output_to_log():
         llm = build_llm({
-            **kwargs, "model": model_path, "dtype": dtype, "max_model_len": max_model_len,
-            "skip_tokenizer_init": serves_without_tokenizer(model_path, kwargs),
-            "speculative_config": speculative_config(draft_dir, k),
+            **kwargs, "max_model_len": max_model_len,
+            "skip_tokenizer_init": serves_without_tokenizer(serving.model_path, kwargs),
             "per_request_spec_decode_metrics": "summary"}, multiprocess=True)
     try:
         yield llm

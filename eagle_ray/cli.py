@@ -156,27 +156,33 @@ def _eval(args: argparse.Namespace) -> int:
     """Acceptance of an exported draft (vLLM at each k and temperature, with intervals, and the
     greedy simulation) on `--prompts` (MT-Bench, GSM8K or chat JSONL) or the job's held-out
     conversations, on the target the draft was exported for (or `target.model_path`)."""
-    from eagle_ray.config import JobConfig, apply_overrides, from_dict, load_yaml
+    from eagle_ray.config import ConfigError, JobConfig, apply_overrides, from_dict, load_yaml
     from eagle_ray.draft.export import exported_target
-    from eagle_ray.evaluate import evaluate_draft, evaluation_prompts
+    from eagle_ray.evaluate import evaluate_on_cluster, evaluation_prompts
     from eagle_ray.ingest import held_out, read_chats
     from eagle_ray.report import format_summary
-    from eagle_ray.tokenizer_files import load_tokenizer
-    from eagle_ray.train import eval_engine_kwargs
+    from eagle_ray.train import draft_serving, init_ray
 
     overrides = args.overrides + ([f"eval.prompts_file={args.prompts}"] if args.prompts else [])
     job = load_yaml(JobConfig, args.config, overrides) if args.config \
         else from_dict(JobConfig, apply_overrides({}, overrides))
+    data = job.data  # its held-out conversations, unless the prompts come from a file
+    if not job.eval.prompts_file and data.path is None and not args.kit_prompts:
+        raise ConfigError("eagle-ray eval needs prompts: --prompts FILE (MT-Bench `turns`, "
+                          "GSM8K `question` or chat JSONL; docs/training.md, \"Evaluation "
+                          "prompts\"), or a --config whose data.path holds your chats (its "
+                          "held-out ones are used); --kit-prompts scores on the tiny kit's "
+                          "generated chats instead")
     _job_console(job, args.verbose)
     model_path = job.target.model_path or exported_target(args.draft).model_path
-    _, tokenizer = load_tokenizer(model_path, job.target.vllm_kwargs,
-                                  "eagle-ray eval (it renders the prompts)")
-    data = job.data  # its held-out conversations, unless the prompts come from a file
+    init_ray(job, log_to_driver=args.verbose)
     conversations = [] if job.eval.prompts_file else held_out(
         read_chats(data.path, data.num_samples, data.cpus_per_task), data.eval_samples)
-    report = evaluate_draft(model_path, args.draft, evaluation_prompts(job.eval, conversations),
-                            tokenizer, job.eval, eval_engine_kwargs(job))
-    print(format_summary({"eval": report, "draft_dir": args.draft}))
+    serving = draft_serving(job, model_path, Path(args.draft))
+    report = evaluate_on_cluster(job.target, serving, evaluation_prompts(job.eval, conversations),
+                                 job.eval)
+    print(format_summary({"eval": report, "draft_dir": args.draft,
+                          "serve_command": serving.command(job.eval.num_speculative_tokens[0])}))
     print(json.dumps(report))
     return 0
 
@@ -308,7 +314,11 @@ def _add_job_commands(command: Command) -> None:
     evaluate.add_argument("--config", help="the job config the draft came from (or defaults)")
     evaluate.add_argument("--draft", required=True, help="exported draft folder")
     evaluate.add_argument("--prompts", help="prompts JSONL: MT-Bench (turns), GSM8K (question) "
-                          "or chat (messages / conversations); default: held-out conversations")
+                          "or chat (messages / conversations); default: the held-out "
+                          "conversations of --config's data.path")
+    evaluate.add_argument("--kit-prompts", action="store_true",
+                          help="without --prompts or data.path: score on the tiny kit's "
+                               "generated chats (a smoke test, not a measurement)")
     evaluate.add_argument("overrides", nargs="*", metavar="key=value",
                           help="config overrides, e.g. eval.prompts=16")
 

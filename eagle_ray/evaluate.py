@@ -1,4 +1,5 @@
-"""Acceptance length of a draft against its target, measured two independent ways.
+"""Acceptance length of a draft against its target, measured two independent ways, where the
+target's GPUs are (a Ray task: `evaluate_on_cluster`).
 
 1. vLLM itself serving the exported draft as the target's `eagle3` speculative model, at each
    `eval.num_speculative_tokens` k and `eval.temperatures` temperature, with intervals
@@ -12,6 +13,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import itertools
 import logging
 from collections.abc import Sequence
@@ -24,10 +27,11 @@ from eagle_ray.acceptance import answer_turn_by_turn, vllm_acceptance_table
 from eagle_ray.backends.base import Sampling
 from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.chat import stop_token_ids
-from eagle_ray.config import ConfigError, EvalConfig
+from eagle_ray.config import ConfigError, EvalConfig, PoolConfig
 from eagle_ray.draft.export import load_exported_draft
 from eagle_ray.draft.model import Eagle3Draft
 from eagle_ray.eval_prompts import EvalPrompt, EvalPrompts, read_eval_prompts
+from eagle_ray.serving import DraftServing
 from eagle_ray.simulate import simulate_acceptance, simulate_sampled_acceptance
 
 logger = logging.getLogger(__name__)
@@ -74,41 +78,77 @@ def evaluation_prompts(eval_config: EvalConfig,
 
 class GreedyAnswers:
     """The target's greedy answer (HF, no speculation) to each prompt, computed once: the
-    simulation's continuation and the reference vLLM's greedy output must equal."""
+    simulation's continuation and the reference vLLM's greedy output must equal. Once
+    `release`d (the HF model freed for vLLM's engine), an answer not computed before is None."""
 
     def __init__(self, target: HFEagle3TargetModel, max_new_tokens: int,
                  stop_token_ids: tuple[int, ...]) -> None:
         self.target, self.max_new_tokens, self.stops = target, max_new_tokens, stop_token_ids
         self._answers: dict[tuple[int, ...], list[int]] = {}
 
-    def __call__(self, owners: list[int], batch: list[list[int]]) -> list[list[int]]:
+    def __call__(self, owners: list[int], batch: list[list[int]]) -> list[list[int] | None]:
         for ids in batch:
-            if tuple(ids) not in self._answers:
+            if tuple(ids) not in self._answers and self.target is not None:
                 self._answers[tuple(ids)] = greedy_generate(self.target, ids,
                                                             self.max_new_tokens, self.stops)
-        return [self._answers[tuple(ids)] for ids in batch]
+        return [self._answers.get(tuple(ids)) for ids in batch]
+
+    def release(self) -> None:
+        """Drop the HF model (its memory goes back to the device)."""
+        self.target = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
-def evaluate_draft(model_path: str, draft_dir: str | Path, prompts: EvalPrompts, tokenizer,
-                   eval_config: EvalConfig, engine_kwargs: dict[str, Any] | None = None,
+def evaluate_draft(serving: DraftServing, prompts: EvalPrompts, eval_config: EvalConfig
                    ) -> dict[str, Any]:
-    """Acceptance of the exported draft: vLLM serving it at every k and temperature of
-    `eval_config` (`eagle_ray.acceptance`), and, side by side at the same settings, the
-    project's own simulation of the trained and of an untrained draft on the same turns; on the
-    target the draft was exported for (its aux layer ids), loaded from `model_path`."""
-    from eagle_ray.draft.export import exported_target, exported_ttt_steps
+    """Acceptance of the exported draft: the project's own simulation of the trained and of an
+    untrained draft with the HF target first, then vLLM serving the draft at every k and
+    temperature of `eval_config` as `serving.command(k)` does (`eagle_ray.acceptance`), on the
+    same turns; on the target the draft was exported for (its aux layer ids), in the target's
+    dtype, on a GPU where this process has one. Runs where it is called: a job runs it as a Ray
+    task with the target's resources (`evaluate_on_cluster`)."""
+    from eagle_ray.draft.export import exported_ttt_steps
+    from eagle_ray.tokenizer_files import load_tokenizer
 
-    check_eval_settings(eval_config, exported_ttt_steps(draft_dir),
-                        f"the draft's {Path(draft_dir) / 'config.json'} eagle_ray_ttt_steps")
-    served = exported_target(draft_dir)
-    target = HFEagle3TargetModel.from_pretrained(model_path, list(served.aux_layer_ids),
-                                                 dtype=torch.float32)
-    embedding = target.get_input_embeddings().weight.detach()
-    trained, vocab = load_exported_draft(draft_dir, embedding)
-    torch.manual_seed(1234)
-    untrained = Eagle3Draft(trained.config, embedding)
-    n = eval_config.max_new_tokens
+    check_eval_settings(eval_config, exported_ttt_steps(serving.draft_dir),
+                        f"the draft's {Path(serving.draft_dir) / 'config.json'} "
+                        f"eagle_ray_ttt_steps")
+    _, tokenizer = load_tokenizer(serving.model_path, {"tokenizer": serving.tokenizer}
+                                  if serving.tokenizer else {}, "the evaluation")
     stops = stop_token_ids(tokenizer)  # answers end at the chat's end-of-turn token
+    report, greedy = _simulate(serving, prompts, tokenizer, eval_config, stops)
+    greedy.release()  # vLLM's engine gets the device to itself
+    if eval_config.vllm:
+        report["vllm"] = vllm_acceptance_table(
+            serving, prompts.prompts, tokenizer, eval_config.num_speculative_tokens,
+            eval_config.temperatures, eval_config.max_new_tokens, stops, reference=greedy,
+            bootstrap_samples=eval_config.bootstrap_samples, seed=eval_config.seed)
+    logger.info("evaluation on %d prompts (%d turns): %s", len(prompts.prompts),
+                report["turns"], "; ".join(
+                    f"k={r['num_speculative_tokens']} t={r['temperature']:g} "
+                    f"{r['mean_acceptance_length']:.2f}" for r in report.get("vllm", [])))
+    return report
+
+
+def _simulate(serving: DraftServing, prompts: EvalPrompts, tokenizer, eval_config: EvalConfig,
+              stops: tuple[int, ...]) -> tuple[dict[str, Any], GreedyAnswers]:
+    """The HF target's greedy answers to every turn, and the simulated acceptance of the trained
+    and an untrained draft at every k and temperature."""
+    from eagle_ray.draft.export import exported_target
+
+    aux_layer_ids = list(exported_target(serving.draft_dir).aux_layer_ids)
+    target = HFEagle3TargetModel.from_pretrained(
+        serving.model_path, aux_layer_ids, dtype=serving.dtype,
+        device="cuda" if torch.cuda.is_available() else None)
+    embedding = target.get_input_embeddings().weight.detach()
+    # The drafts in fp32 (as trained), on the target's device.
+    trained, vocab = load_exported_draft(serving.draft_dir, embedding.float())
+    torch.manual_seed(1234)
+    untrained = Eagle3Draft(trained.config, embedding.float())
+    trained, untrained = (d.to(embedding.device).eval() for d in (trained, untrained))
+    n = eval_config.max_new_tokens
     greedy = GreedyAnswers(target, n, stops)
     turns, failed = answer_turn_by_turn(
         prompts.prompts, tokenizer, greedy,
@@ -118,25 +158,33 @@ def evaluate_draft(model_path: str, draft_dir: str | Path, prompts: EvalPrompts,
         "prompts": len(prompts.prompts), "turns": len(turn_prompts),
         "skipped_lines": prompts.skipped, "failed_prompts": len(failed),
         "num_speculative_tokens": list(eval_config.num_speculative_tokens),
-        "temperatures": list(eval_config.temperatures), "simulated": []}
+        "temperatures": list(eval_config.temperatures), "simulated": [],
+        "served_with": dataclasses.asdict(serving)}
     continuations = greedy([], turn_prompts)
     for k, temperature in itertools.product(eval_config.num_speculative_tokens,
                                             eval_config.temperatures):
         row: dict[str, Any] = {"num_speculative_tokens": k, "temperature": temperature}
-        for name, draft in (("trained", trained.eval()), ("untrained", untrained.eval())):
+        for name, draft in (("trained", trained), ("untrained", untrained)):
             row[name], row[f"acceptance_per_position_{name}"] = simulate_acceptance(
                 target, draft, vocab, turn_prompts, continuations, k) if temperature == 0 \
                 else simulate_sampled_acceptance(target, draft, vocab, turn_prompts, k,
                                                  temperature, n, stops, eval_config.seed)
         report["simulated"].append(row)
-    if eval_config.vllm:
-        report["vllm"] = vllm_acceptance_table(
-            model_path, draft_dir, prompts.prompts, tokenizer,
-            eval_config.num_speculative_tokens, eval_config.temperatures, n, stops,
-            reference=greedy, bootstrap_samples=eval_config.bootstrap_samples,
-            seed=eval_config.seed, engine_kwargs=engine_kwargs)
-    logger.info("evaluation on %d prompts (%d turns): %s", len(prompts.prompts),
-                len(turn_prompts), "; ".join(
-                    f"k={r['num_speculative_tokens']} t={r['temperature']:g} "
-                    f"{r['mean_acceptance_length']:.2f}" for r in report.get("vllm", [])))
-    return report
+    return report, greedy
+
+
+def evaluate_on_cluster(target: PoolConfig, serving: DraftServing, prompts: EvalPrompts,
+                        eval_config: EvalConfig) -> dict[str, Any]:
+    """`evaluate_draft` as a Ray task that asks for what a replica of `target` asks for (its
+    GPUs, CPUs and custom resources): the driver, on a head without GPUs or memory for the
+    target, loads no model; the task runs where the target's GPUs are."""
+    import ray
+
+    from eagle_ray.pool.placement import replica_bundle
+
+    bundle = replica_bundle(target)
+    options = {"num_cpus": bundle.pop("CPU"), "num_gpus": bundle.pop("GPU", 0),
+               "resources": bundle, "max_retries": 0}
+    logger.info("evaluating the draft in a Ray task with %s", options)
+    task = ray.remote(evaluate_draft).options(**options)
+    return ray.get(task.remote(serving, prompts, eval_config))

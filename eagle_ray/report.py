@@ -4,28 +4,11 @@ draft, and `report.png` (training curves, acceptance per draft position, through
 
 from __future__ import annotations
 
-import json
-import shlex
 from pathlib import Path
 from typing import Any
 
 REPORT_SIZE_PX = (1500, 800)
 DISAGREEMENT = 0.25  # acceptance length between vLLM and the simulation worth a line
-
-
-def serve_command(model_path: str, draft_dir: str | Path, num_speculative_tokens: int,
-                  tp_size: int = 1, dtype: str | None = None) -> str:
-    """`vllm serve` with the draft as the target's EAGLE-3 speculative model (the config the
-    evaluation served it with)."""
-    from eagle_ray.acceptance import speculative_config
-
-    spec = json.dumps(speculative_config(draft_dir, num_speculative_tokens))
-    parts = ["vllm", "serve", shlex.quote(str(model_path))]
-    if tp_size > 1:
-        parts += ["--tensor-parallel-size", str(tp_size)]
-    if dtype:
-        parts += ["--dtype", dtype]
-    return " ".join(parts + ["--speculative-config", shlex.quote(spec)])
 
 
 def _ttt_values(metrics: dict[str, Any], name: str) -> list[float]:

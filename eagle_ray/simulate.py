@@ -24,7 +24,7 @@ def draft_chain(draft: Eagle3Draft, vocab: DraftVocab, aux_hidden_states: torch.
                 seq: list[int], next_token: int, k: int) -> list[int]:
     """`k` tokens the draft proposes after `seq` + `next_token`, greedily (target ids); step j
     reads, at the last slot, the token drafted by step j - 1."""
-    step_ids = [torch.tensor([seq[1:] + [next_token]])]
+    step_ids = [torch.tensor([seq[1:] + [next_token]], device=aux_hidden_states.device)]
     drafted: list[int] = []
     for _ in range(k):
         logits = draft(aux_hidden_states.float(), step_ids)[-1][0, -1]
@@ -75,8 +75,8 @@ def simulate_sampled_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft,
     stops = set(stop_token_ids)
     tally = AcceptanceTally.empty(k)
 
-    def distribution(hidden: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(head(hidden).float() / temperature, dim=-1)
+    def distribution(hidden: torch.Tensor) -> torch.Tensor:  # on the host: sampled there
+        return torch.softmax(head(hidden).float() / temperature, dim=-1).cpu()
 
     def sample(probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=generator))

@@ -23,8 +23,9 @@ import ray
 
 from eagle_ray.config import ClientConfig, ConfigError, JobConfig, to_dict
 from eagle_ray.identity import TargetIdentity
-from eagle_ray.report import serve_command, write_report_png
+from eagle_ray.report import write_report_png
 from eagle_ray.run_record import check_resumable, check_resumed_target, run_record
+from eagle_ray.serving import DraftServing
 from eagle_ray.supervision_cache import SupervisionCache
 from eagle_ray.tokenizer_files import check_tokenizer, load_tokenizer
 from eagle_ray.train_loop import train_loop_per_worker
@@ -100,7 +101,7 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
             result = trainer.fit()
         ray.kill(board)
     logger.info("draft exported to %s", output_dir / "draft")
-    return write_summary(config, result.metrics, data, served, model_path, tokenizer, output_dir)
+    return write_summary(config, result.metrics, data, served, model_path, output_dir)
 
 
 def torch_trainer(config: JobConfig, data, output_dir: Path, loop_config: dict[str, Any]):
@@ -129,8 +130,10 @@ def torch_trainer(config: JobConfig, data, output_dir: Path, loop_config: dict[s
 
 
 def write_summary(config: JobConfig, final_metrics: dict[str, Any], data, served: TargetIdentity,
-                  model_path: str, tokenizer, output_dir: Path) -> dict[str, Any]:
-    """Evaluate the exported draft, then write `summary.json` and `report.png`."""
+                  model_path: str, output_dir: Path) -> dict[str, Any]:
+    """Evaluate the exported draft (a Ray task where the target's GPUs are: the driver loads no
+    model), then write `summary.json` and `report.png`."""
+    serving = draft_serving(config, model_path, output_dir / "draft")
     summary: dict[str, Any] = {
         "run_name": config.run_name,
         "final_metrics": final_metrics,
@@ -140,14 +143,11 @@ def write_summary(config: JobConfig, final_metrics: dict[str, Any], data, served
         **({"regenerated": data.regenerated} if data.regenerated else {}),
     }
     if config.eval.enabled:
-        from eagle_ray.evaluate import evaluate_draft, evaluation_prompts
+        from eagle_ray.evaluate import evaluate_on_cluster, evaluation_prompts
 
-        summary["eval"] = evaluate_draft(
-            model_path, output_dir / "draft", evaluation_prompts(config.eval, data.held_out),
-            tokenizer, config.eval, eval_engine_kwargs(config))
-    summary["serve_command"] = serve_command(
-        model_path, output_dir / "draft", config.eval.num_speculative_tokens[0],
-        config.target.tp_size, config.target.dtype)
+        summary["eval"] = evaluate_on_cluster(
+            config.target, serving, evaluation_prompts(config.eval, data.held_out), config.eval)
+    summary["serve_command"] = serving.command(config.eval.num_speculative_tokens[0])
     summary["report"] = str(write_report_png(summary, read_metrics(output_dir),
                                              output_dir / "report.png"))
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -222,11 +222,12 @@ def check_eval(config: JobConfig) -> None:
             evaluation_prompts(config.eval)
 
 
-def eval_engine_kwargs(config: JobConfig) -> dict[str, Any]:
-    """What the evaluation's vLLM engine takes from `target.vllm_kwargs`: a tokenizer kept
-    elsewhere (it is sized for its prompts itself)."""
-    kwargs = config.target.vllm_kwargs
-    return {"tokenizer": kwargs["tokenizer"]} if "tokenizer" in kwargs else {}
+def draft_serving(config: JobConfig, model_path: str, draft_dir: Path) -> DraftServing:
+    """How vLLM serves the job's draft, evaluated and printed alike: the target's dtype and
+    tensor-parallel size, and a tokenizer kept elsewhere (`target.vllm_kwargs.tokenizer`)."""
+    return DraftServing.for_target(model_path, draft_dir, config.target.dtype,
+                                   config.target.tp_size,
+                                   config.target.vllm_kwargs.get("tokenizer"))
 
 
 def check_paths(config: JobConfig) -> None:

@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from eagle_ray.report import format_summary, serve_command
+from eagle_ray.report import format_summary
+from eagle_ray.serving import DraftServing
 
 # Each line comes from a different route a library takes to the console.
 SCRIPT = textwrap.dedent("""
@@ -80,7 +81,7 @@ SUMMARY = {
 
 
 def test_the_summary_table_carries_the_summarys_figures():
-    command = serve_command("/models/My 8B", "/runs/x/draft", 2, tp_size=2, dtype="bfloat16")
+    command = DraftServing("/models/My 8B", "/runs/x/draft", "bfloat16", tp_size=2).command(2)
     table = format_summary({**SUMMARY, "serve_command": command})
     lines = table.splitlines()
     assert "1,234 conversations trained on, 5 truncated, 3 dropped (98,765 tokens)" in table

@@ -23,6 +23,7 @@ from eagle_ray.eval_prompts import EvalPrompt
 from eagle_ray.evaluate import GreedyAnswers
 from eagle_ray.identity import checkpoint_fingerprint
 from eagle_ray.pool import TargetPool
+from eagle_ray.serving import DraftServing
 from eagle_ray.tiny import generate_chat_samples
 from eagle_ray.train import run_job
 
@@ -99,8 +100,9 @@ def test_train_export_and_serve_with_the_stock_template(local_ray, family_checkp
                 for _, messages in read_conversations(data)][-2:]
     stops = stop_token_ids(tokenizer)
     hf = HFEagle3TargetModel.from_pretrained(model_path, dtype=torch.float32)
-    [row] = vllm_acceptance_table(str(model_path), draft_dir, held_out, tokenizer, [3], [0.0],
-                                  8, stops, reference=GreedyAnswers(hf, 8, stops))
+    serving = DraftServing(str(model_path), str(draft_dir), "float32")
+    [row] = vllm_acceptance_table(serving, held_out, tokenizer, [3], [0.0], 8, stops,
+                                  reference=GreedyAnswers(hf, 8, stops))
     assert row["verify_steps"] > 0 and row["failed"] == 0
     assert row["greedy_equal_fraction"] == 1.0
 

@@ -6,6 +6,7 @@ positions), and the job sets no vLLM option: the job sizes its engines (`engine_
 sized from the checkpoint would not fit the CPU's KV budget.
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -62,12 +63,56 @@ def local_ray():
         yield
 
 
+@contextlib.contextmanager
+def models_built_in_this_process():
+    """Yields a list of every transformers model and vLLM engine constructed in this process
+    (the driver's) while it lasts."""
+    import transformers
+    from vllm import LLM
+
+    built: list[str] = []
+
+    def watched(cls, name):
+        original = cls.__init__
+
+        def init(self, *args, **kwargs):
+            built.append(f"{name} {type(self).__name__}")
+            original(self, *args, **kwargs)
+        return init
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers.PreTrainedModel, "__init__",
+                      watched(transformers.PreTrainedModel, "transformers"))
+        patch.setattr(LLM, "__init__", watched(LLM, "vLLM"))
+        yield built
+
+
 @pytest.fixture(scope="module")
 def trained(local_ray, tmp_path_factory):
+    """The job, run with its driver (this process) watched for model loading."""
     output_dir = tmp_path_factory.mktemp("train")
-    summary = run_job(job(output_dir))
+    with models_built_in_this_process() as built:
+        summary = run_job(job(output_dir))
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return output_dir, summary, metrics
+    return output_dir, {**summary, "models_built_in_the_driver": built}, metrics
+
+
+def test_the_driver_loads_no_model_the_evaluation_runs_where_the_target_would(trained):
+    """The driver runs on the head, which has neither GPUs nor the memory for a target: the
+    replicas, the trainers and the evaluation (a Ray task with a replica's resources) load
+    every model; the driver reads configs and the tokenizer only."""
+    _, summary, _ = trained
+    assert summary["models_built_in_the_driver"] == []
+    assert summary["eval"]["vllm"] and summary["eval"]["simulated"], "it evaluated, elsewhere"
+
+
+def test_the_driver_watch_sees_a_model_built_in_this_process(qwen3_path):
+    """The control: the watch above records what the driver would load."""
+    from transformers import AutoModelForCausalLM
+
+    with models_built_in_this_process() as built:
+        AutoModelForCausalLM.from_pretrained(qwen3_path)
+    assert built == ["transformers Qwen3ForCausalLM", "transformers Qwen3Model"]
 
 
 def test_loss_decreases_and_accuracy_rises(trained):
@@ -197,18 +242,21 @@ def test_mlflow_run_in_the_local_folder_has_the_metrics(trained):
 
 
 def test_the_printed_serve_command_serves_what_the_evaluation_served(trained):
-    """The command's target, dtype and speculative config are those vLLM served the draft with
-    in the evaluation (`eagle_ray.acceptance`), where vLLM loaded and ran it as an EAGLE-3
-    draft."""
-    from eagle_ray.acceptance import speculative_config
+    """The command is the one the evaluation's engine was built from (`DraftServing`: target,
+    dtype, tensor-parallel size, speculative config), where vLLM loaded and ran the draft as an
+    EAGLE-3 draft."""
+    from eagle_ray.serving import DraftServing
 
     _, summary, _ = trained
+    served_with = DraftServing(**summary["eval"]["served_with"])
+    assert summary["serve_command"] == served_with.command(3)
     words = shlex.split(summary["serve_command"])
     assert words[:3] == ["vllm", "serve", summary["target"]["model_path"]]
     options = dict(zip(words[3::2], words[4::2], strict=True))
-    assert options["--dtype"] == "float32"  # the evaluation's engine dtype
+    assert options["--dtype"] == "float32"  # the target's dtype (the job's target.dtype)
     spec = json.loads(options["--speculative-config"])
-    assert spec == speculative_config(summary["draft_dir"], 3) and spec["method"] == "eagle3"
+    assert spec == served_with.speculative_config(3) and spec["method"] == "eagle3"
+    assert spec["model"] == summary["draft_dir"]
     assert summary["eval"]["vllm"][0]["mean_acceptance_length"] > 1.0  # vLLM drafted with it
 
 

@@ -1,0 +1,64 @@
+"""How vLLM serves an exported draft. The evaluation's engine and the `vllm serve` command a job
+prints are both built from one `DraftServing`, so the command is exactly what was evaluated:
+the target's checkpoint, dtype and tensor-parallel size, and the draft as its `eagle3`
+speculative model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+TP_EXECUTOR = "mp"  # as the pool's replicas: the TP ranks are the process's own workers
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftServing:
+    """A draft served by vLLM as its target's EAGLE-3 speculative model."""
+
+    model_path: str
+    draft_dir: str
+    dtype: str  # the target's dtype as vLLM names it ("bfloat16", "float32", ...)
+    tp_size: int = 1
+    tokenizer: str | None = None  # the target's tokenizer, where its folder has none
+
+    @classmethod
+    def for_target(cls, model_path: str, draft_dir: str | Path, dtype: str = "auto",
+                   tp_size: int = 1, tokenizer: str | None = None) -> DraftServing:
+        """`dtype` "auto" is the checkpoint's own (read from its config.json)."""
+        from transformers import AutoConfig
+
+        from eagle_ray.checkpoint import resolve_dtype
+
+        text_config = AutoConfig.from_pretrained(model_path).get_text_config()
+        resolved = resolve_dtype(None if dtype == "auto" else dtype, text_config)
+        return cls(str(model_path), str(draft_dir), str(resolved).removeprefix("torch."),
+                   tp_size, tokenizer)
+
+    def speculative_config(self, k: int) -> dict[str, Any]:
+        """vLLM's `speculative_config` for chain drafting `k` tokens per step."""
+        return {"method": "eagle3", "model": self.draft_dir, "num_speculative_tokens": k}
+
+    def engine_kwargs(self, k: int) -> dict[str, Any]:
+        """`vllm.LLM` arguments serving the draft at `k` (the same as `command(k)`)."""
+        kwargs = {"model": self.model_path, "dtype": self.dtype,
+                  "tensor_parallel_size": self.tp_size,
+                  "speculative_config": self.speculative_config(k)}
+        if self.tp_size > 1:
+            kwargs["distributed_executor_backend"] = TP_EXECUTOR
+        if self.tokenizer:
+            kwargs["tokenizer"] = self.tokenizer
+        return kwargs
+
+    def command(self, k: int) -> str:
+        """`vllm serve` with the draft as the target's EAGLE-3 speculative model at `k`."""
+        parts = ["vllm", "serve", shlex.quote(self.model_path), "--dtype", self.dtype]
+        if self.tp_size > 1:
+            parts += ["--tensor-parallel-size", str(self.tp_size)]
+        if self.tokenizer:
+            parts += ["--tokenizer", shlex.quote(self.tokenizer)]
+        spec = json.dumps(self.speculative_config(k))
+        return " ".join(parts + ["--speculative-config", shlex.quote(spec)])
