@@ -50,11 +50,22 @@ class NoAssistantTurn(ValueError):
 
 
 def read_conversations(path: str | Path) -> Iterator[tuple[str, list[dict[str, str]]]]:
-    """`(where, messages)` for every conversation of a chat JSONL file.
+    """`(where, messages)` for every conversation of a chat file: JSONL, or one JSON array (as
+    ShareGPT dumps often are).
 
-    Each line is `{"messages": [{"role", "content"}, ...]}` or ShareGPT's
-    `{"conversations": [{"from", "value"}, ...]}`; `where` is `file:line` for error messages.
+    Each line (or array entry) is `{"messages": [{"role", "content"}, ...]}` or ShareGPT's
+    `{"conversations": [{"from", "value"}, ...]}`; `where` is `file:line` (or `file[index]`)
+    for error messages.
     """
+    if is_json_array(path):
+        with open(path) as f:
+            try:
+                samples = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ChatFormatError(f"{path}: not a valid JSON array ({e})") from e
+        for index, sample in enumerate(samples):
+            yield f"{path}[{index}]", conversation_messages(sample, f"{path}[{index}]")
+        return
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -65,6 +76,15 @@ def read_conversations(path: str | Path) -> Iterator[tuple[str, list[dict[str, s
             except json.JSONDecodeError as e:
                 raise ChatFormatError(f"{where}: not valid JSON ({e})") from e
             yield where, conversation_messages(sample, where)
+
+
+def is_json_array(path: str | Path) -> bool:
+    """Whether a chat file is one JSON array (its first non-blank character is `[`), not
+    JSONL."""
+    with open(path) as f:
+        while (char := f.read(1)).isspace():
+            pass
+    return char == "["
 
 
 def conversation_messages(sample: Any, where: str) -> list[dict[str, str]]:

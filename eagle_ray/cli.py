@@ -1,5 +1,5 @@
-"""`eagle-ray` command line: `train`, `plan`, `cache`, `regenerate`, `eval`, `demo`, `serve`,
-`status`, `shutdown`, `bench`.
+"""`eagle-ray` command line: `train`, `plan`, `preflight`, `cache`, `regenerate`, `eval`, `demo`,
+`serve`, `status`, `shutdown`, `bench`.
 
 Results go to stdout (benchmarks: JSON lines); logs go to stderr.
 """
@@ -80,24 +80,31 @@ def _plan(args: argparse.Namespace) -> int:
     recipe's shape on fake tensors) and of a replica (weights, KV cache), supervision bytes per
     token, and the trainer GPUs one replica feeds (estimated from FLOPs). Exit 2 when a trainer
     worker would not fit the budget."""
-    from transformers import AutoConfig
-
     from eagle_ray.config import JobConfig, load_yaml
-    from eagle_ray.plan import check_trainer_fits, format_plan, plan_job
-    from eagle_ray.pool.replica import resolve_model_path
+    from eagle_ray.plan import check_trainer_fits, format_plan, plan_job, read_target_config
 
     job = load_yaml(JobConfig, args.config, args.overrides)
-    source = args.target_config or resolve_model_path(job.target)
-    try:
-        target_config = AutoConfig.from_pretrained(source)
-    except OSError as e:
-        raise FileNotFoundError(f"cannot read the target's config at {source} ({e}); pass "
-                                f"--target-config with its config.json or folder (shipped: "
-                                f"examples/targets/)") from e
+    target_config = read_target_config(job, args.target_config)
     plan = plan_job(job, target_config, gpu_memory_gib=args.gpu_memory_gib)
     print(json.dumps(plan.to_dict()) if args.json else format_plan(plan), flush=True)
     check_trainer_fits(plan, args.trainer_budget_gib)
     return 0
+
+
+def _preflight(args: argparse.Namespace) -> int:
+    """Check a running cluster against a job before submitting it: every node's Python and
+    package pins against this environment's, eagle_ray installed as a package, the job's paths
+    seen (and written) on every node, custom resources, /dev/shm. Exit 1 naming each problem."""
+    from eagle_ray.cluster import connect
+    from eagle_ray.config import JobConfig, load_yaml
+    from eagle_ray.preflight import preflight
+
+    job = load_yaml(JobConfig, args.config, args.overrides)
+    connect(args.address, job.target.namespace)
+    problems = preflight(job)
+    print("".join(f"- {p}\n" for p in problems) + (f"{len(problems)} problem(s): fix them "
+          f"before `ray job submit`" if problems else "ready: every node can run this job"))
+    return 1 if problems else 0
 
 
 def _cache(args: argparse.Namespace) -> int:
@@ -285,6 +292,12 @@ def _add_job_commands(command: Command) -> None:
     train.add_argument("--config", required=True, help=JOB_CONFIG)
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. train.steps=50 target.replicas=2")
+
+    preflight = command("preflight", _preflight, "check a running cluster against a job")
+    preflight.add_argument("--config", required=True, help=JOB_CONFIG)
+    preflight.add_argument("--address", default="auto",
+                           help="Ray cluster address (default: auto; RAY_ADDRESS works too)")
+    preflight.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
     plan = command("plan", _plan, "per-GPU memory and rates of a job, before it starts")
     plan.add_argument("--config", required=True, help=JOB_CONFIG)

@@ -25,6 +25,8 @@ from typing import Any
 import ray
 from tqdm import tqdm
 
+logger = logging.getLogger(__name__)
+
 CONSOLE_FORMAT = "%(asctime)s %(message)s"
 FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s [pid %(process)d]: %(message)s"
 # Libraries that configure their own handlers; routed to the file like everything else.
@@ -129,18 +131,24 @@ def native_output_to_log() -> Iterator[None]:
 
 @ray.remote(num_cpus=0)
 class ProgressBoard:
-    """Where the rank-0 training worker posts its step and latest metrics for the driver."""
+    """Where the rank-0 training worker posts its step and latest metrics for the driver, and
+    the step each start of the worker group began at (a checkpoint's, or 0)."""
 
     def __init__(self) -> None:
         self.step, self.metrics = 0, {}
+        self.starts: list[int] = []
 
     def post(self, step: int, metrics: dict[str, Any] | None = None) -> None:
         self.step = step
         if metrics:
             self.metrics = metrics
 
-    def read(self) -> tuple[int, dict[str, Any]]:
-        return self.step, self.metrics
+    def started(self, step: int) -> None:
+        self.step = step
+        self.starts.append(step)
+
+    def read(self) -> tuple[int, dict[str, Any], list[int]]:
+        return self.step, self.metrics, self.starts
 
 
 class TrainingBar:
@@ -149,6 +157,7 @@ class TrainingBar:
     def __init__(self, board, total: int, poll_s: float = 0.5, start: int = 0) -> None:
         """`start`: the step a resumed run begins at."""
         self.board, self.poll_s = board, poll_s
+        self._starts_seen = 0
         self.bar = tqdm(total=total, initial=min(start, total), desc="training", unit="step",
                         file=sys.stderr, mininterval=1.0)
         self._shown_metrics_step = None
@@ -165,9 +174,19 @@ class TrainingBar:
 
     def _refresh(self) -> None:
         try:
-            step, metrics = ray.get(self.board.read.remote(), timeout=10)
+            step, metrics, starts = ray.get(self.board.read.remote(), timeout=10)
         except Exception:  # the board is gone (job ending): nothing to show
             return
+        for started in starts[self._starts_seen:]:
+            self._starts_seen += 1
+            if self._starts_seen == 1:
+                continue  # the group's first start (at an earlier run's checkpoint, or 0)
+            logger.warning("a training worker failed: Ray Train restarted the worker group, "
+                           "which resumed from %s (train.max_failures; docs/operations.md, "
+                           "\"A job failed\")", f"its checkpoint at step {started}"
+                           if started else "the beginning (no checkpoint yet)")
+            self.bar.n = started
+            self.bar.refresh()
         if metrics and metrics.get("step") != self._shown_metrics_step:  # redraw on news only
             self._shown_metrics_step = metrics.get("step")
             self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}",

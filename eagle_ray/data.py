@@ -13,9 +13,9 @@ import dataclasses
 import json
 import logging
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -164,16 +164,37 @@ def token_budget_micro_batches(rows: Iterable[Row], max_tokens: int, max_rows: i
 
 def _pack(rows: list[Row], max_tokens: int, max_rows: int, pad_id: int,
           rng: random.Random) -> Iterator[MicroBatch]:
-    groups: list[list[Row]] = [[]]
-    for row in sorted(rows, key=lambda r: len(r[0])):
-        group = groups[-1]
-        # Sorted by length, so this row is the group's longest.
-        if group and ((len(group) + 1) * len(row[0]) > max_tokens or len(group) == max_rows):
-            groups.append(group := [])
-        group.append(row)
+    groups = _group(rows, max_tokens, max_rows, lambda row: len(row[0]))
     rng.shuffle(groups)
     for group in groups:
         yield collate(group, pad_id)
+
+
+def _group(items: list, max_tokens: int, max_rows: int, length: Callable[[Any], int]
+           ) -> list[list]:
+    """`items` sorted by `length` and cut into groups of at most `max_rows` whose rows x longest
+    stays within `max_tokens` (a longer one alone)."""
+    groups: list[list] = [[]]
+    for item in sorted(items, key=length):
+        group = groups[-1]
+        # Sorted by length, so this item is the group's longest.
+        if group and ((len(group) + 1) * length(item) > max_tokens or len(group) == max_rows):
+            groups.append(group := [])
+        group.append(item)
+    return groups
+
+
+def micro_batches_per_epoch(lengths: Sequence[int], max_tokens: int, max_rows: int,
+                            window: int, workers: int) -> float:
+    """Micro-batches a worker packs from one pass over rows of `lengths` (dealt out evenly to
+    `workers`, packed window by window as `token_budget_micro_batches` packs them): what
+    `train.epochs` turns into steps (the workers' own shards differ a little)."""
+    per_worker = []
+    for worker in range(workers):
+        shard = list(lengths[worker::workers])
+        per_worker.append(sum(len(_group(shard[i:i + window], max_tokens, max_rows, int))
+                              for i in range(0, len(shard), window)))
+    return sum(per_worker) / max(workers, 1)
 
 
 def padding_share(micro_batch: MicroBatch) -> float:

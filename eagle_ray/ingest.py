@@ -30,9 +30,15 @@ import ray.data
 import torch
 
 from eagle_ray.backends.base import Sampling
-from eagle_ray.chat import conversation_key, conversation_messages
+from eagle_ray.chat import conversation_key, conversation_messages, is_json_array
 from eagle_ray.config import ConfigError, DataConfig, JobConfig
-from eagle_ray.data import STATUSES, TRAINED, load_or_build_draft_vocab, tokenize_row
+from eagle_ray.data import (
+    STATUSES,
+    TRAINED,
+    load_or_build_draft_vocab,
+    micro_batches_per_epoch,
+    tokenize_row,
+)
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.client import PoolClient
 from eagle_ray.supervision import DraftVocab
@@ -55,17 +61,21 @@ TOKENIZE_BATCH_ROWS = 64
 
 def read_chats(paths: str | list[str] | None, num_samples: int, cpus_per_task: float):
     """The chat data as a Ray Dataset with a `messages` or `conversations` column per row:
-    JSONL / Parquet files or folders, or the built-in generated data when `paths` is None."""
+    JSONL, JSON-array (a ShareGPT dump) or Parquet files or folders, or the built-in generated
+    data when `paths` is None."""
     if paths is None:
         from eagle_ray.tiny import generate_chat_samples
 
         return ray.data.from_items(generate_chat_samples(num_samples, writer=GENERATED_WRITER))
     paths = [paths] if isinstance(paths, str) else list(paths)
     parquet = [p for p in paths if _is_parquet(p)]
-    jsonl = [p for p in paths if p not in parquet]
+    arrays = [p for p in paths if p not in parquet and Path(p).is_file() and is_json_array(p)]
+    jsonl = [p for p in paths if p not in parquet and p not in arrays]
     datasets = []
     if jsonl:
         datasets.append(ray.data.read_json(jsonl, lines=True, num_cpus=cpus_per_task))
+    if arrays:  # Ray reads a file that is one JSON array row by row without `lines`
+        datasets.append(ray.data.read_json(arrays, num_cpus=cpus_per_task))
     if parquet:
         datasets.append(ray.data.read_parquet(parquet, num_cpus=cpus_per_task))
     return datasets[0] if len(datasets) == 1 else datasets[0].union(*datasets[1:])
@@ -201,6 +211,7 @@ class JobData:
     vocab: DraftVocab
     statuses: dict[str, int]  # what happened to the training conversations (`data.STATUSES`)
     regenerated: dict[str, Any] | None  # the regeneration report, when answers were regenerated
+    micro_batches_per_epoch: float | None = None  # per worker (measured for `train.epochs`)
 
 
 def prepare_job_data(config: JobConfig, served: TargetIdentity, tokenizer_at: str, tokenizer,
@@ -255,7 +266,15 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, tokenizer_at: st
         logger.info("keeping the tokenised training rows in the object store (%.1f MiB)",
                     statuses["training_tokens"] * BYTES_PER_TOKEN / 2**20)
         train = train.materialize()
-    return JobData(train, held, vocab, {**statuses, "max_length": max_length}, regenerated)
+    per_epoch = None
+    if config.train.epochs is not None:  # one more pass, over the rows' lengths only
+        lengths = [int(n) for batch in train.iter_batches(batch_size=4096, batch_format="numpy")
+                   for n in batch["length"]]
+        per_epoch = micro_batches_per_epoch(lengths, data.max_tokens_per_micro_batch,
+                                            data.micro_batch_size, data.shuffle_window,
+                                            config.train.workers)
+    return JobData(train, held, vocab, {**statuses, "max_length": max_length}, regenerated,
+                   per_epoch)
 
 
 def _object_store_bytes() -> float:
@@ -300,9 +319,9 @@ def regenerate_job_data(config: JobConfig, served: TargetIdentity, tokenizer,
             and not _is_parquet(data.path):
         source = Path(data.path)
     else:
-        raise ConfigError("regenerate.enabled needs data.path to be one JSONL file (or null for "
-                          f"the generated data), got {data.path!r}; run `eagle-ray regenerate` "
-                          "per file first")
+        raise ConfigError("regenerate.enabled needs data.path to be one JSONL or JSON-array "
+                          f"file (or null for the generated data), got {data.path!r}; run "
+                          "`eagle-ray regenerate` per file first")
     sampling = Sampling(max_new_tokens=settings.max_new_tokens,
                         temperature=settings.temperature, top_p=settings.top_p,
                         seed=settings.seed)

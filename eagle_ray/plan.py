@@ -34,6 +34,8 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 DEFAULT_MFU = 0.4
 DEFAULT_GPU_TFLOPS = 989.0  # H100 SXM dense bf16
 TRAINER_BUDGET_GIB = 64.0  # what a trainer worker may use of an 80 GB GPU, with headroom
+# Supply over demand outside this band is a layout that wastes GPUs (`Plan.layout_warning`).
+BALANCE_BAND = (0.5, 2.0)
 
 
 @dataclasses.dataclass
@@ -46,15 +48,50 @@ class Plan:
     supervision_bytes_per_token: int
     replica_tokens_per_s: float  # estimated (FLOPs at `mfu`)
     trainer_tokens_per_s: float  # estimated (FLOPs at `mfu`)
+    replicas: int  # the job's (its autoscaling maximum, when it scales)
+    trainers: int  # train.workers
     assumptions: dict[str, Any]
 
     @property
     def trainers_per_replica(self) -> float:
         return self.replica_tokens_per_s / self.trainer_tokens_per_s
 
+    @property
+    def balance(self) -> float:
+        """Supervision the replicas produce over what the trainers consume (tokens/s)."""
+        return (self.replicas * self.replica_tokens_per_s
+                / max(self.trainers * self.trainer_tokens_per_s, 1e-9))
+
+    @property
+    def trainer_wait_share(self) -> float:
+        """The share of time trainers are expected to wait for supervision (supply short)."""
+        return max(0.0, 1.0 - self.balance)
+
+    @property
+    def replica_idle_share(self) -> float:
+        """The share of time replicas are expected to idle (supply beyond the demand)."""
+        return max(0.0, 1.0 - 1.0 / self.balance) if self.balance > 0 else 0.0
+
+    def layout_warning(self) -> str | None:
+        """What to change when supply and demand are more than 2x apart; None otherwise."""
+        low, high = BALANCE_BAND
+        if low <= self.balance <= high:
+            return None
+        fitting = max(1, round(self.trainers / self.trainers_per_replica))
+        return (f"the layout wastes GPUs: {self.replicas} replica(s) supply {self.balance:.2f}x "
+                f"what {self.trainers} trainer(s) consume, so trainers wait "
+                f"~{self.trainer_wait_share:.0%} / replicas idle ~{self.replica_idle_share:.0%} "
+                f"of the time; about {fitting} replica(s) feed {self.trainers} trainers "
+                f"(change target.replicas or train.workers, and the nodes' target_gpu / "
+                f"trainer_gpu resources to match)")
+
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "trainers_per_replica":
-                round(self.trainers_per_replica, 2)}
+        return {**dataclasses.asdict(self),
+                "trainers_per_replica": round(self.trainers_per_replica, 2),
+                "balance": round(self.balance, 3),
+                "trainer_wait_share": round(self.trainer_wait_share, 3),
+                "replica_idle_share": round(self.replica_idle_share, 3),
+                "layout_warning": self.layout_warning()}
 
 
 def plan_job(job: JobConfig, target_config, gpu_memory_gib: float = 80.0,
@@ -89,13 +126,34 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float = 80.0,
     replica_rate = flops * job.target.tp_size / (2 * active_parameters)
     trainer_rate = flops / (6 * draft_trainable * job.train.ttt_steps
                             + 2 * hidden * text.vocab_size)
+    scaling = job.target.autoscaling
     return Plan(trainer=trainer, replica=replica, kv_cache_tokens=kv_tokens,
                 supervision_bytes_per_token=per_token, replica_tokens_per_s=replica_rate,
                 trainer_tokens_per_s=trainer_rate,
+                replicas=scaling.max_replicas if scaling else job.target.replicas,
+                trainers=job.train.workers,
                 assumptions={"gpu_memory_gib": gpu_memory_gib, "mfu": mfu,
                              "gpu_tflops": gpu_tflops, "micro_batch": [rows, seq],
                              "trainer_precision": "bf16" if bf16 else "fp32",
-                             "cuda_context_gib": CUDA_CONTEXT_BYTES / GIB})
+                             "cuda_context_gib": CUDA_CONTEXT_BYTES / GIB,
+                             "rates_from": "FLOPs estimates (no GPU measurement yet: "
+                                           "`eagle-ray bench gpu` measures them)"})
+
+
+def read_target_config(job: JobConfig, source: str | None = None):
+    """The target's transformers config: from `source` (a config.json or folder, when the
+    checkpoint is not readable here), else the job's `target.model_path`."""
+    from transformers import AutoConfig
+
+    from eagle_ray.backends import resolve_model_path
+
+    source = source or resolve_model_path(job.target)
+    try:
+        return AutoConfig.from_pretrained(source)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot read the target's config at {source} ({e}); pass "
+                                f"--target-config with its config.json or folder (shipped: "
+                                f"examples/targets/)") from e
 
 
 def check_trainer_fits(plan: Plan, budget_gib: float = TRAINER_BUDGET_GIB) -> None:
@@ -212,8 +270,15 @@ def format_plan(plan: Plan) -> str:
               f"supervision: {plan.supervision_bytes_per_token:,} bytes per token, "
               f"{plan.supervision_bytes_per_token * plan.replica_tokens_per_s / 2**20:,.0f} "
               f"MiB/s per replica",
-              f"rates (estimated from FLOPs at {a['mfu']:.0%} of {a['gpu_tflops']:.0f} TFLOPS): "
-              f"replica {plan.replica_tokens_per_s:,.0f} tok/s, trainer "
-              f"{plan.trainer_tokens_per_s:,.0f} tok/s -> {plan.trainers_per_replica:.1f} "
-              f"trainer GPUs per replica keep trainers fed"]
+              f"rates (estimated from FLOPs at {a['mfu']:.0%} of {a['gpu_tflops']:.0f} TFLOPS; "
+              f"no GPU measurement yet): replica {plan.replica_tokens_per_s:,.0f} tok/s, "
+              f"trainer {plan.trainer_tokens_per_s:,.0f} tok/s -> "
+              f"{plan.trainers_per_replica:.1f} trainer GPUs per replica keep trainers fed",
+              f"the job: {plan.replicas} replica(s) supply "
+              f"{plan.replicas * plan.replica_tokens_per_s:,.0f} tok/s, {plan.trainers} "
+              f"trainer(s) consume {plan.trainers * plan.trainer_tokens_per_s:,.0f} tok/s: "
+              f"supply/demand {plan.balance:.2f} (trainers wait ~{plan.trainer_wait_share:.0%}, "
+              f"replicas idle ~{plan.replica_idle_share:.0%})"]
+    if plan.layout_warning():
+        lines.append(f"WARNING: {plan.layout_warning()}")
     return "\n".join(lines)

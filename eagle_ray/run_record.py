@@ -108,7 +108,7 @@ def check_resumable(config: JobConfig) -> PreviousRun | None:
             f"settings ({'; '.join(changed)}); a rerun with the same run_name resumes that "
             f"draft. Use another run_name or output_dir to train a new draft, set these keys "
             f"back to resume it, or delete {where} to start it over")
-    if step >= config.train.steps:
+    if config.train.steps is not None and step >= config.train.steps:
         logger.warning("run %r already reached step %d (train.steps=%d): it trains no more "
                        "steps, only exports and evaluates; raise train.steps to train longer",
                        config.run_name, step, config.train.steps)

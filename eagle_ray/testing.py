@@ -93,13 +93,45 @@ class SyntheticRunner(TargetRunner):
         return [synthetic_answer(p, sampling) for p in prompts]
 
     def _hold(self) -> None:
-        """Wait while the gate file exists (for the first call only, if so configured); a held
-        call marks `<gate>.holding`, so a test can wait until a call is really on an engine."""
+        """Wait while the gate file exists (for the first call only, if so configured)."""
         if self.hold_while and (not self.hold_first_call_only or _first(self.hold_while)):
-            if os.path.exists(self.hold_while):
-                open(f"{self.hold_while}.holding", "a").close()
-            while os.path.exists(self.hold_while):
-                time.sleep(0.01)
+            hold_while_exists(self.hold_while)
+
+
+def hold_while_exists(gate: str) -> None:
+    """A test's gate: wait while the file `gate` exists; a held call marks `<gate>.holding`, so
+    a test can wait until a call is really on an engine."""
+    if os.path.exists(gate):
+        open(f"{gate}.holding", "a").close()
+    while os.path.exists(gate):
+        time.sleep(0.01)
+
+
+class GatedRunner(TargetRunner):
+    """Another engine's runner whose calls wait while a gate file exists (`hold_while_exists`):
+    a real target that a test can hold at the moment it chooses."""
+
+    def __init__(self, runner: TargetRunner, hold_while: str) -> None:
+        self.runner, self.hold_while = runner, hold_while
+
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RunnerOutput:
+        hold_while_exists(self.hold_while)
+        return self.runner.run(input_ids, attention_mask)
+
+    def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+        hold_while_exists(self.hold_while)
+        return self.runner.complete(prompts, sampling)
+
+
+def gated_hf_target(config) -> RunnerEagle3TargetModel:
+    """Pool backend factory (`backend: "eagle_ray.testing:gated_hf_target"`): the HF backend on
+    `target.model_path`, its calls held while `backend_kwargs["hold_while"]` exists."""
+    from eagle_ray.backends.hf import HFEagle3TargetModel
+
+    target = HFEagle3TargetModel.from_pretrained(
+        config.model_path, config.aux_layer_ids, None if config.dtype == "auto" else config.dtype)
+    target.runner = GatedRunner(target.runner, config.backend_kwargs["hold_while"])
+    return target
 
 
 def synthetic_answer(prompt: list[int], sampling: Sampling) -> list[int]:

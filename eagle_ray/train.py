@@ -11,6 +11,7 @@ the held-out conversations.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -73,6 +74,7 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
     cache = SupervisionCache.open(config.data.supervision_cache) \
         if config.data.supervision_cache else None
     init_ray(config, log_to_driver)
+    check_data_on_the_cluster(config)
     check_job_resources(config, with_pool=cache is None)
 
     with job_supervision(config, cache) as (pool, served):
@@ -84,6 +86,7 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
         data = cached_job_data(config, cache) if cache else prepare_job_data(
             config, served, tokenizer_at, tokenizer,
             pool.client(ClientConfig(max_inflight_micro_batches=16)), output_dir)
+        config = with_steps_from_epochs(config, data.micro_batches_per_epoch)
         board = ProgressBoard.remote()
         trainer = torch_trainer(config, data, output_dir, {
             "job": to_dict(config),
@@ -102,6 +105,19 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
         ray.kill(board)
     logger.info("draft exported to %s", output_dir / "draft")
     return write_summary(config, result.metrics, data, served, model_path, output_dir)
+
+
+def with_steps_from_epochs(config: JobConfig, micro_batches_per_epoch: float | None
+                           ) -> JobConfig:
+    """`config` with `train.steps` from `train.epochs` (each worker's micro-batches in one pass
+    over the training rows, times the epochs); unchanged when steps were given."""
+    train = config.train
+    if train.epochs is None:
+        return config
+    steps = max(1, math.ceil(train.epochs * (micro_batches_per_epoch or 0)))
+    logger.info("train.epochs %g: %d steps (%.1f micro-batches per worker and epoch)",
+                train.epochs, steps, micro_batches_per_epoch or 0)
+    return dataclasses.replace(config, train=dataclasses.replace(train, steps=steps, epochs=None))
 
 
 def torch_trainer(config: JobConfig, data, output_dir: Path, loop_config: dict[str, Any]):
@@ -186,7 +202,8 @@ def cached_job_data(config: JobConfig, cache: SupervisionCache):
                           f"vocabulary of {vocab.size} tokens, the job asks for "
                           f"data.draft_vocab_size={config.data.draft_vocab_size}; set it to "
                           f"{vocab.size} or write the cache again")
-    return JobData(None, cache.index["held_out"], vocab, cache.index["statuses"], None)
+    return JobData(None, cache.index["held_out"], vocab, cache.index["statuses"], None,
+                   len(cache) / config.train.workers)
 
 
 @contextlib.contextmanager
@@ -243,10 +260,29 @@ def check_paths(config: JobConfig) -> None:
         check_aux_layer_ids(config)
     paths = [config.data.path] if isinstance(config.data.path, str) else config.data.path or []
     missing = [p for p in paths if not Path(p).exists()]
-    if missing:
-        raise ConfigError(f"data.path {missing} does not exist; pass chat JSONL or Parquet files "
-                          f"or folders (messages or ShareGPT conversations), or null for "
-                          f"generated data")
+    if missing and config.regenerate.enabled:
+        raise ConfigError(f"data.path {missing} does not exist here; the driver reads it to "
+                          f"regenerate its answers: pass chat JSONL or JSON files the driver "
+                          f"sees (docs/operations.md, \"Storage\")")
+
+
+def check_data_on_the_cluster(config: JobConfig) -> None:
+    """`data.path` entries the driver does not see are fine when every node that runs Ray Data's
+    readers (nodes with CPUs) sees them: only those read the data (docs/operations.md,
+    "Storage")."""
+    paths = [config.data.path] if isinstance(config.data.path, str) else config.data.path or []
+    missing = [p for p in paths if not Path(p).exists()]
+    if not missing:
+        return
+    from eagle_ray.preflight import paths_missing_on_readers
+
+    unseen = paths_missing_on_readers(missing)
+    if unseen:
+        raise ConfigError(f"data.path {sorted(unseen)} does not exist on "
+                          f"{', '.join(sorted(set(sum(unseen.values(), []))))}; pass chat JSONL, "
+                          f"JSON or Parquet files or folders (messages or ShareGPT "
+                          f"conversations) on storage those nodes mount, or null for generated "
+                          f"data")
 
 
 def check_aux_layer_ids(config: JobConfig) -> None:

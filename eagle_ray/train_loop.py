@@ -61,6 +61,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     on_device = DevicePrefetcher(supervision, device)
     window = MetricsWindow(micro_batches, world)
     outputs = RankOutputs(loop_config, job, rank)
+    outputs.started(start_step)
     for step in range(start_step, train.steps):
         waited = time.perf_counter()
         host_batch, batch = next(on_device)
@@ -221,6 +222,19 @@ class RankOutputs:
     def progress(self, step: int) -> None:
         if self.board is not None:
             self.board.post.remote(step)
+
+    def started(self, step: int) -> None:
+        """The worker group (re)started at `step` (its checkpoint's, or 0): the records logged
+        after it by a group that failed go, so metrics.jsonl keeps one record per step; the
+        driver says so on the console when it is a restart."""
+        if self.rank != 0:
+            return
+        if self.metrics_path.exists():
+            kept = [line for line in self.metrics_path.read_text().splitlines()
+                    if json.loads(line)["step"] <= step]
+            self.metrics_path.write_text("".join(f"{line}\n" for line in kept))
+        if self.board is not None:
+            self.board.started.remote(step)
 
     def log(self, step: int, metrics: dict[str, float], worker_tokens_per_s: float) -> None:
         self.telemetry.report(worker_tokens_per_s, metrics["pool_wait_share"])

