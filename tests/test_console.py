@@ -100,6 +100,6 @@ def test_the_summary_table_carries_the_summarys_figures():
     assert any(line.split() == ["vLLM,", "t=0", "0.96", "0.87"] for line in lines)
     assert any(line.split() == ["vLLM,", "t=1", "0.80", "0.70"] for line in lines)
     assert lines[-1].strip() == command
-    assert command == ("vllm serve '/models/My 8B' --tensor-parallel-size 2 --dtype bfloat16 "
+    assert command == ("vllm serve '/models/My 8B' --dtype bfloat16 --tensor-parallel-size 2 "
                        "--speculative-config '{\"method\": \"eagle3\", \"model\": "
                        "\"/runs/x/draft\", \"num_speculative_tokens\": 2}'")
