@@ -79,15 +79,15 @@ def _plan(args: argparse.Namespace) -> int:
     """Per-GPU memory of a trainer worker (weights, optimizer, one training step measured at the
     recipe's shape on fake tensors) and of a replica (weights, KV cache), supervision bytes per
     token, and the trainer GPUs one replica feeds (estimated from FLOPs). Exit 2 when a trainer
-    worker would not fit the budget."""
+    worker or a replica would not fit its GPU."""
     from eagle_ray.config import JobConfig, load_yaml
-    from eagle_ray.plan import check_trainer_fits, format_plan, plan_job, read_target_config
+    from eagle_ray.plan import check_job_fits, format_plan, plan_job, read_target_config
 
     job = load_yaml(JobConfig, args.config, args.overrides)
     target_config = read_target_config(job, args.target_config)
     plan = plan_job(job, target_config, gpu_memory_gib=args.gpu_memory_gib)
     print(json.dumps(plan.to_dict()) if args.json else format_plan(plan), flush=True)
-    check_trainer_fits(plan, args.trainer_budget_gib)
+    check_job_fits(job, plan, args.trainer_budget_gib)
     return 0
 
 
@@ -303,9 +303,11 @@ def _add_job_commands(command: Command) -> None:
     plan.add_argument("--config", required=True, help=JOB_CONFIG)
     plan.add_argument("--target-config", help="the target's config.json or folder, when "
                       "target.model_path is not readable here (e.g. examples/targets/...)")
-    plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory (GiB)")
-    plan.add_argument("--trainer-budget-gib", type=float, default=64.0,
-                      help="what a trainer worker may use (exit 2 above it)")
+    plan.add_argument("--gpu-memory-gib", type=float, default=None,
+                      help="GPU memory (GiB); default: train.gpu_memory_gib, else this "
+                           "machine's GPU, else an assumed 80")
+    plan.add_argument("--trainer-budget-gib", type=float, default=None,
+                      help="what a trainer worker may use; default: 80%% of the GPU")
     plan.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     plan.add_argument("overrides", nargs="*", metavar="key=value",
                       help="config overrides, e.g. data.micro_batch_size=1")

@@ -6,7 +6,9 @@ no memory, no compute; about a second at 8B) and `TensorMemoryProbe` counts what
 Weights, gradients and optimizer state are counted from the modules themselves. The replica side
 reads the target's config: weights, and the KV cache vLLM gets from `gpu_memory_utilization`.
 Rates are estimates from FLOPs at a stated model-FLOPs utilisation, until a GPU benchmark
-measures them.
+measures them. The GPU's memory is the one present (`torch.cuda.mem_get_info`), else
+`--gpu-memory-gib` / `train.gpu_memory_gib`, else an assumed 80 GiB that the output says is
+assumed: a job planned for an 80 GB card must not pass on a 24 GB one.
 
 Example:
     $ eagle-ray plan --config examples/llama3.1-8b.yaml --target-config llama-3.1-8b/config.json
@@ -33,7 +35,10 @@ GIB = 2**30
 CUDA_CONTEXT_BYTES = 1 * GIB
 DEFAULT_MFU = 0.4
 DEFAULT_GPU_TFLOPS = 989.0  # H100 SXM dense bf16
-TRAINER_BUDGET_GIB = 64.0  # what a trainer worker may use of an 80 GB GPU, with headroom
+# What a trainer worker may use of its GPU: the rest is the caching allocator's fragmentation,
+# NCCL's buffers and kernels' workspaces, which the fake-tensor step does not see.
+TRAINER_SHARE = 0.8
+ASSUMED_GPU_MEMORY_GIB = 80.0  # planning where no GPU is present and none is named
 # Supply over demand outside this band is a layout that wastes GPUs (`Plan.layout_warning`).
 BALANCE_BAND = (0.5, 2.0)
 
@@ -94,10 +99,24 @@ class Plan:
                 "layout_warning": self.layout_warning()}
 
 
-def plan_job(job: JobConfig, target_config, gpu_memory_gib: float = 80.0,
+def gpu_memory(configured_gib: float | None = None) -> tuple[float, str]:
+    """(GiB of one GPU, where the figure comes from): `configured_gib` when given, else the
+    GPU present here, else the assumed 80 GiB."""
+    if configured_gib is not None:
+        return float(configured_gib), "configured"
+    if torch.cuda.is_available():
+        _, total = torch.cuda.mem_get_info()
+        return total / GIB, f"measured ({torch.cuda.get_device_name()})"
+    return ASSUMED_GPU_MEMORY_GIB, ("assumed: no GPU here; pass --gpu-memory-gib or set "
+                                    "train.gpu_memory_gib")
+
+
+def plan_job(job: JobConfig, target_config, gpu_memory_gib: float | None = None,
              mfu: float = DEFAULT_MFU, gpu_tflops: float = DEFAULT_GPU_TFLOPS) -> Plan:
     """The plan for `job` with the target described by `target_config` (a transformers
-    config) on GPUs of `gpu_memory_gib`."""
+    config) on GPUs of `gpu_memory_gib` (None: `gpu_memory(job.train.gpu_memory_gib)`)."""
+    gpu_memory_gib, memory_source = gpu_memory(
+        job.train.gpu_memory_gib if gpu_memory_gib is None else gpu_memory_gib)
     text = target_config.get_text_config()
     draft_config = DraftConfig.from_target(target_config, min(job.data.draft_vocab_size,
                                                               text.vocab_size),
@@ -132,7 +151,8 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float = 80.0,
                 trainer_tokens_per_s=trainer_rate,
                 replicas=scaling.max_replicas if scaling else job.target.replicas,
                 trainers=job.train.workers,
-                assumptions={"gpu_memory_gib": gpu_memory_gib, "mfu": mfu,
+                assumptions={"gpu_memory_gib": gpu_memory_gib,
+                             "gpu_memory_from": memory_source, "mfu": mfu,
                              "gpu_tflops": gpu_tflops, "micro_batch": [rows, seq],
                              "trainer_precision": "bf16" if bf16 else "fp32",
                              "cuda_context_gib": CUDA_CONTEXT_BYTES / GIB,
@@ -156,15 +176,58 @@ def read_target_config(job: JobConfig, source: str | None = None):
                                 f"examples/targets/)") from e
 
 
-def check_trainer_fits(plan: Plan, budget_gib: float = TRAINER_BUDGET_GIB) -> None:
-    """A `ValueError` naming the keys to change when a trainer worker would not fit."""
+def check_trainer_fits(plan: Plan, budget_gib: float | None = None) -> None:
+    """A `ValueError` naming the keys to change when a trainer worker would not fit its
+    budget (None: `TRAINER_SHARE` of the plan's GPU memory)."""
+    gpu = plan.assumptions["gpu_memory_gib"]
+    budget_gib = TRAINER_SHARE * gpu if budget_gib is None else budget_gib
     total = plan.trainer["total"] / GIB
     if total > budget_gib:
         rows, seq = plan.assumptions["micro_batch"]
         raise ValueError(
             f"a trainer worker needs {total:.1f} GiB per GPU at micro-batches of {rows} x {seq} "
-            f"tokens, over the {budget_gib:.0f} GiB budget: lower data.micro_batch_size, "
-            f"data.max_tokens_per_micro_batch or data.max_length, or train.ttt_steps")
+            f"tokens, over its {budget_gib:.1f} GiB budget ({TRAINER_SHARE:.0%} of a "
+            f"{gpu:.0f} GiB GPU, {plan.assumptions['gpu_memory_from']}): lower "
+            f"data.micro_batch_size, data.max_tokens_per_micro_batch or data.max_length, or "
+            f"train.ttt_steps")
+
+
+def check_job_fits(job: JobConfig, plan: Plan, trainer_budget_gib: float | None = None
+                   ) -> None:
+    """The trainer's and (for vLLM) the replica's checks, for a GPU job."""
+    from eagle_ray.engine_sizing import sized_pool_config
+
+    check_trainer_fits(plan, trainer_budget_gib)
+    if job.target.backend == "vllm":
+        check_replica_fits(plan, sized_pool_config(job).vllm_kwargs["max_model_len"])
+
+
+def check_worker_memory(job: JobConfig, model_path: str) -> None:
+    """A trainer worker's check on the GPU it got (or `train.gpu_memory_gib`), before it
+    allocates anything: the driver may have planned on an assumed GPU."""
+    from transformers import AutoConfig
+
+    check_trainer_fits(plan_job(job, AutoConfig.from_pretrained(model_path)))
+
+
+def check_replica_fits(plan: Plan, max_model_len: int) -> None:
+    """A `ValueError` naming the keys to change when a replica's rank would not fit its GPU
+    (vLLM's share plus the target head) or its KV cache holds less than one request of
+    `max_model_len` tokens."""
+    gpu = plan.assumptions["gpu_memory_gib"]
+    total = plan.replica["total"] / GIB
+    where = f"a {gpu:.0f} GiB GPU ({plan.assumptions['gpu_memory_from']})"
+    if plan.kv_cache_tokens < max_model_len:
+        raise ValueError(
+            f"a replica's KV cache holds {plan.kv_cache_tokens:,} tokens on {where}, less than "
+            f"one request of max_model_len {max_model_len:,} (weights "
+            f"{plan.replica['weights'] / GIB:.1f} GiB per GPU): raise target.tp_size or "
+            f"target.vllm_kwargs.gpu_memory_utilization, or lower data.max_length")
+    if total > gpu:
+        raise ValueError(
+            f"a replica needs {total:.1f} GiB per GPU (gpu_memory_utilization's share plus the "
+            f"{plan.replica['target_head'] / GIB:.1f} GiB target head) on {where}: lower "
+            f"target.vllm_kwargs.gpu_memory_utilization")
 
 
 def trainer_memory(config: DraftConfig, rows: int, seq: int, ttt_steps: int,
@@ -213,7 +276,11 @@ def replica_memory(target_config, parameters: int, dtype: torch.dtype, tp_size: 
     kv_heads = getattr(text, "num_key_value_heads", text.num_attention_heads)
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize // tp_size
     kv_cache = max(budget - weights - CUDA_CONTEXT_BYTES, 0)
-    parts = {"weights": weights, "kv_cache": kv_cache, "cuda_context": CUDA_CONTEXT_BYTES}
+    # eagle_ray's target head (final norm + lm_head, whole on the first rank's GPU), loaded
+    # after vLLM sized its cache: outside gpu_memory_utilization.
+    head = (text.vocab_size + 1) * text.hidden_size * dtype.itemsize
+    parts = {"weights": weights, "kv_cache": kv_cache, "cuda_context": CUDA_CONTEXT_BYTES,
+             "target_head": head}
     return {**parts, "total": sum(parts.values())}, kv_cache // per_token
 
 
@@ -263,7 +330,8 @@ def format_plan(plan: Plan) -> str:
         return [title] + [f"  {name:<14}{value / GIB:8.1f} GiB" for name, value in parts.items()]
 
     a = plan.assumptions
-    lines = table(f"trainer worker (per GPU; micro-batch {a['micro_batch'][0]} x "
+    lines = [f"GPU: {a['gpu_memory_gib']:.0f} GiB ({a['gpu_memory_from']})"]
+    lines += table(f"trainer worker (per GPU; micro-batch {a['micro_batch'][0]} x "
                   f"{a['micro_batch'][1]} tokens, {a['trainer_precision']})", plan.trainer)
     lines += table("replica (per GPU)", plan.replica)
     lines += [f"  KV cache holds {plan.kv_cache_tokens:,} tokens",

@@ -37,18 +37,22 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------- the driver
 
 
-def check_trainer_memory(config: JobConfig) -> None:
-    """GPU training whose trainer worker would not fit (`eagle-ray plan`) stops here, naming
-    the keys to change, before Ray or a pool starts."""
+def check_job_memory(config: JobConfig) -> None:
+    """A GPU job whose trainer worker or replica would not fit its GPU (`eagle-ray plan`, on
+    the driver's GPU or `train.gpu_memory_gib`, else an assumed 80 GiB that each worker checks
+    again on its own GPU) stops here, naming the keys to change, before Ray or a pool
+    starts."""
     if not (config.train.use_gpu and config.target.model_path):
         return
     from transformers import AutoConfig
 
-    from eagle_ray.plan import check_trainer_fits, plan_job
+    from eagle_ray.plan import check_job_fits, plan_job
 
     plan = plan_job(config, AutoConfig.from_pretrained(config.target.model_path))
-    logger.info("plan: a trainer worker needs %.1f GiB per GPU", plan.trainer["total"] / 2**30)
-    check_trainer_fits(plan)
+    logger.info("plan: a trainer worker needs %.1f GiB and a replica %.1f GiB per GPU of %.0f "
+                "GiB (%s)", plan.trainer["total"] / 2**30, plan.replica["total"] / 2**30,
+                plan.assumptions["gpu_memory_gib"], plan.assumptions["gpu_memory_from"])
+    check_job_fits(config, plan)
 
 
 def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
@@ -65,7 +69,7 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
     from eagle_ray.trackers import check_loggers
 
     check_paths(config)
-    check_trainer_memory(config)
+    check_job_memory(config)
     check_loggers(config.train.loggers)
     check_eval(config)
     resumed = check_resumable(config)

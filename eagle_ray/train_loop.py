@@ -16,7 +16,7 @@ import logging
 import math
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +28,13 @@ from eagle_ray.data import padding_share, token_budget_micro_batches
 from eagle_ray.draft.export import export_draft
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
 from eagle_ray.identity import TargetIdentity
+from eagle_ray.plan import check_worker_memory
 from eagle_ray.pool import PoolClient
 from eagle_ray.pool.telemetry import TrainerMetrics
 from eagle_ray.run_record import RECORD_FILE
 from eagle_ray.supervision import DraftVocab, draft_target
 from eagle_ray.supervision_cache import SupervisionCache
+from eagle_ray.target_head import TargetHead
 from eagle_ray.trackers import Trackers
 from eagle_ray.train_device import DevicePrefetcher, autocast_dtype
 
@@ -52,10 +54,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     torch.manual_seed(train.seed)
     device = ray.train.torch.get_device()
-    if device.type == "cuda":  # fp32 matmuls (fp32 precision, or what autocast leaves) use TF32
+    if device.type == "cuda":
+        # fp32 matmuls (fp32 precision, or what autocast leaves) use TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        check_worker_memory(job, loop_config["model_path"])
     served = TargetIdentity.from_dict(loop_config["target"])
-    learner = DraftLearner(loop_config, served, train, device)
+    learner = DraftLearner.for_worker(loop_config, served, train, device)
     start_step = learner.resume(ray.train.get_checkpoint(), rank)
     micro_batches, supervision = _supervision(job, loop_config, rank, world, start_step)
     on_device = DevicePrefetcher(supervision, device)
@@ -84,25 +88,37 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 
 class DraftLearner:
-    """The draft, wrapped for DDP, with its optimizer and schedule: one TTT step at a time."""
+    """The draft, wrapped for DDP, with its optimizer and schedule: one TTT step at a time.
 
-    def __init__(self, loop_config: dict[str, Any], served: TargetIdentity, train: TrainConfig,
-                 device: torch.device) -> None:
+    `prepare` wraps the draft for its workers (Ray Train's `prepare_model`: DDP, the device);
+    None moves it to `device` unwrapped (one process, as in tests)."""
+
+    def __init__(self, draft: Eagle3Draft, head: TargetHead, vocab: DraftVocab,
+                 train: TrainConfig, device: torch.device,
+                 prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> None:
+        self.train, self.device, self.head = train, device, head.to(device)
+        self.precision = autocast_dtype(train.precision, device)  # None: fp32 throughout
+        self.vocab, self.draft = vocab, draft
+        self.model = prepare(draft) if prepare else draft.to(device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=train.lr,
+                                           weight_decay=train.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(train))
+
+    @classmethod
+    def for_worker(cls, loop_config: dict[str, Any], served: TargetIdentity,
+                   train: TrainConfig, device: torch.device) -> DraftLearner:
+        """A Ray Train worker's learner: the target's frozen embedding and head (fp32) from its
+        checkpoint, the draft vocabulary the job chose, DDP through `prepare_model`."""
         import ray.train.torch
         from transformers import AutoConfig
 
         target_config = AutoConfig.from_pretrained(loop_config["model_path"])
         embedding, head = load_embedding_and_head(loop_config["model_path"], torch.float32)
-        self.train, self.device, self.head = train, device, head.to(device)
-        self.precision = autocast_dtype(train.precision, device)  # None: fp32 throughout
-        self.vocab = DraftVocab(torch.tensor(loop_config["draft_to_target"]), served.vocab_size)
-        self.draft = Eagle3Draft(DraftConfig.from_target(
-            target_config, self.vocab.size, train.intermediate_size), embedding.weight)
-        self.model = ray.train.torch.prepare_model(self.draft)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=train.lr,
-                                           weight_decay=train.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(train))
+        vocab = DraftVocab(torch.tensor(loop_config["draft_to_target"]), served.vocab_size)
+        draft = Eagle3Draft(DraftConfig.from_target(target_config, vocab.size,
+                                                    train.intermediate_size), embedding.weight)
+        return cls(draft, head, vocab, train, device, ray.train.torch.prepare_model)
 
     def resume(self, checkpoint, rank: int) -> int:
         """Load Ray Train's latest checkpoint, if any; the step to start from."""

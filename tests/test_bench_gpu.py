@@ -17,11 +17,14 @@ def test_the_gpu_check_runs_on_the_cpu_at_small_shapes():
     # The same weights on the same device: identical in fp32, close in bf16, every encoding.
     fp32 = by_metric["max_abs_diff_vs_cpu"]
     assert {r["encoding"] for r in fp32} == {"logits", "last_hidden", "target_probs"}
+    # ... in both layouts: states on the device (HF) and captured into host memory (vLLM).
+    assert {r["layout"] for r in fp32} == {"hf", "vllm"}
     assert all(r["value"] == 0.0 for r in fp32), fp32
     assert all(r["value"] > 0.99 for r in by_metric["min_cosine_vs_cpu_fp32"])
     assert {r["returned_on"] for r in by_metric["supervision_tokens_per_s"]} == {"device", "cpu"}
     steps = {(r["attention"], r["precision"]) for r in by_metric["draft_step_peak_gib"]}
     assert steps == {(a, p) for a in ("linear", "materialised") for p in ("bf16", "fp32")}
+    assert by_metric["learner_step_tokens_per_s"][0]["value"] > 0  # the loop's own learner
     assert {r["encoding_dtype"] for r in by_metric["to_host_seconds"]} == {"auto", "fp8"}
     pool = {r["path"]: r for r in by_metric["pool_supervision_tokens_per_s"]}
     assert set(pool) == {"in_process", "pool_1_replica"} and pool["in_process"]["ratio"] == 1.0

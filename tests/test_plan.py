@@ -1,5 +1,6 @@
-"""`eagle-ray plan`: the trainer's memory measured on fake tensors matches a real step, and the
-shipped GPU recipes fit an 80 GB GPU with headroom."""
+"""`eagle-ray plan`: the trainer's memory measured on fake tensors matches a real step, the
+shipped GPU recipes fit an 80 GB GPU with headroom, and a GPU too small for a trainer or a
+replica is refused (by the plan, before training, and by each worker on its own GPU)."""
 
 import pytest
 import torch
@@ -9,7 +10,17 @@ from eagle_ray.cli import main
 from eagle_ray.config import JobConfig, load_yaml
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
 from eagle_ray.memory import TensorMemoryProbe
-from eagle_ray.plan import GIB, TRAINER_BUDGET_GIB, check_trainer_fits, plan_job, trainer_memory
+from eagle_ray.plan import (
+    GIB,
+    TRAINER_SHARE,
+    check_job_fits,
+    check_replica_fits,
+    check_trainer_fits,
+    check_worker_memory,
+    gpu_memory,
+    plan_job,
+    trainer_memory,
+)
 from eagle_ray.supervision import DraftVocab, draft_target
 from eagle_ray.target_head import TargetHead
 from eagle_ray.testing import random_micro_batch
@@ -50,12 +61,13 @@ def test_the_fake_step_peak_is_the_real_steps_peak_on_the_cpu(precision):
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_every_shipped_gpu_recipe_fits_a_trainer_worker_in_64_gib(recipe):
+def test_every_shipped_gpu_recipe_fits_an_80_gib_gpu(recipe):
     job = load_yaml(JobConfig, f"examples/{recipe}.yaml", [])
-    plan = plan_job(job, AutoConfig.from_pretrained(f"examples/targets/{RECIPES[recipe]}"))
-    assert plan.trainer["total"] <= TRAINER_BUDGET_GIB * GIB, plan.trainer
-    check_trainer_fits(plan)
-    assert plan.replica["total"] <= 0.85 * 80 * GIB
+    plan = plan_job(job, AutoConfig.from_pretrained(f"examples/targets/{RECIPES[recipe]}"),
+                    gpu_memory_gib=80)
+    assert plan.trainer["total"] <= TRAINER_SHARE * 80 * GIB, plan.trainer
+    check_job_fits(job, plan)
+    assert plan.replica["total"] <= 80 * GIB
     # The job's own engines: sized for its rows and regenerated answers (engine_sizing).
     from eagle_ray.engine_sizing import sized_pool_config
 
@@ -111,3 +123,63 @@ def test_a_layout_the_plan_contradicts_is_named_with_what_fits():
     assert plan.balance < 0.5 and warning is not None
     assert "4 replica(s) supply" in warning and "trainers wait" in warning
     assert f"about {round(28 / plan.trainers_per_replica)} replica(s) feed 28" in warning
+
+
+LLAMA_8B = "examples/targets/llama-3.1-8b-instruct"
+
+
+def test_the_gpu_memory_is_the_one_named_else_the_one_present(monkeypatch):
+    assert gpu_memory(24) == (24.0, "configured")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    memory, source = gpu_memory()
+    assert memory == 80 and source.startswith("assumed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (3 * GIB, 22.5 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA L4")
+    assert gpu_memory() == (22.5, "measured (NVIDIA L4)")
+    job = load_yaml(JobConfig, "examples/llama3.1-8b.yaml", [])
+    assert plan_job(job, AutoConfig.from_pretrained(LLAMA_8B)).assumptions["gpu_memory_gib"] \
+        == 22.5
+
+
+def test_a_trainer_worker_too_big_for_its_gpu_is_refused():
+    job = load_yaml(JobConfig, "examples/llama3.1-8b.yaml", [])
+    target = AutoConfig.from_pretrained(LLAMA_8B)
+    check_trainer_fits(plan_job(job, target, gpu_memory_gib=80))  # the control
+    with pytest.raises(ValueError, match=r"over its 19.2 GiB budget \(80% of a 24 GiB GPU, "
+                                         r"configured\): lower data.micro_batch_size"):
+        check_trainer_fits(plan_job(job, target, gpu_memory_gib=24))
+
+
+def test_a_replica_too_big_for_its_gpu_is_refused():
+    """The target head (1 GiB at Llama-3.1-8B) counts beside vLLM's share of the GPU."""
+    job = load_yaml(JobConfig, "examples/llama3.1-8b.yaml", [])
+    target = AutoConfig.from_pretrained(LLAMA_8B)
+    plan = plan_job(job, target, gpu_memory_gib=80)
+    assert plan.replica["target_head"] == 128256 * 4096 * 2 + 4096 * 2
+    check_replica_fits(plan, 4097)  # the control
+    with pytest.raises(ValueError, match="KV cache holds 0 tokens.*raise target.tp_size"):
+        check_replica_fits(plan_job(job, target, gpu_memory_gib=16), 4097)
+    greedy = load_yaml(JobConfig, "examples/llama3.1-8b.yaml",
+                       ["target.vllm_kwargs.gpu_memory_utilization=0.995"])
+    with pytest.raises(ValueError, match="lower target.vllm_kwargs.gpu_memory_utilization"):
+        check_replica_fits(plan_job(greedy, target, gpu_memory_gib=80), 4097)
+
+
+def test_the_train_time_gate_stops_a_job_that_does_not_fit(tmp_path):
+    """`run_job` refuses before Ray or a pool starts; every worker checks its own GPU again."""
+    from eagle_ray.tiny import tiny_target
+    from eagle_ray.train import check_job_memory, run_job
+
+    overrides = [f"target.model_path={LLAMA_8B}", f"output_dir={tmp_path}",
+                 f"target.vllm_kwargs.tokenizer={tiny_target('llama')}"]
+    small = load_yaml(JobConfig, "examples/llama3.1-8b-smoke.yaml",
+                      [*overrides, "train.gpu_memory_gib=24"])
+    with pytest.raises(ValueError, match="a trainer worker needs"):
+        run_job(small)
+    with pytest.raises(ValueError, match="24 GiB GPU"):
+        check_worker_memory(small, LLAMA_8B)
+    large = load_yaml(JobConfig, "examples/llama3.1-8b-smoke.yaml",
+                      [*overrides, "train.gpu_memory_gib=80"])
+    check_job_memory(large)  # the control
+    check_worker_memory(large, LLAMA_8B)

@@ -8,10 +8,10 @@ from transformers import AutoTokenizer
 from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.chat import prompt_for_turn, stop_token_ids
 from eagle_ray.data import make_micro_batches, tokenize_chats
-from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
+from eagle_ray.draft.model import DraftConfig, Eagle3Draft
 from eagle_ray.evaluate import greedy_generate
 from eagle_ray.simulate import simulate_acceptance
-from eagle_ray.supervision import DraftVocab, draft_target
+from eagle_ray.supervision import DraftVocab
 from eagle_ray.tiny import generate_chat_samples, tiny_target
 from eagle_ray.train_device import DevicePrefetcher, autocast_dtype
 
@@ -37,21 +37,7 @@ def test_the_cpu_prefetcher_hands_over_host_and_device_batches(hf_llama):
 
 
 def _train_and_measure(target, vocab, micro_batches, prompts, continuations, precision):
-    config = DraftConfig.from_target(target.model.config, vocab.size)
-    torch.manual_seed(0)
-    draft = Eagle3Draft(config, target.get_input_embeddings().weight.detach())
-    params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=3e-3)
-    head = target.get_target_head()
-    for batch in micro_batches:
-        probs, mask = draft_target(batch, vocab, head)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss, _, _ = ttt_loss(draft, batch.aux_hidden_states, batch.input_ids,
-                                  batch.loss_mask, probs, mask, ttt_steps=3)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+    draft = _learn(target, vocab, micro_batches, precision)[0].draft
     acceptance, _ = simulate_acceptance(target, draft.eval(), vocab, prompts, continuations, k=3)
     return acceptance
 
@@ -78,3 +64,62 @@ def test_bf16_training_reaches_the_acceptance_of_fp32_on_the_tiny_kit():
     bf16 = _train_and_measure(target, vocab, supervision, prompts, continuations, "bf16")
     assert fp32 > untrained + 0.3, (untrained, fp32)  # training matters at this size
     assert abs(bf16 - fp32) <= 0.1, (fp32, bf16)
+
+
+@pytest.fixture(scope="module")
+def kit_supervision():
+    """The pre-trained tiny Llama (fp32), a draft vocabulary and 24 micro-batches of its
+    supervision (3 epochs of the kit's chats)."""
+    path = tiny_target("llama", pretrained=True)
+    target = HFEagle3TargetModel.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    samples = [(f"sample {i}", s["messages"]) for i, s in
+               enumerate(generate_chat_samples(64, seed=5))]
+    rows = tokenize_chats(samples, tokenizer, 256, target.vocab_size).rows
+    counts = torch.zeros(target.vocab_size)
+    for ids, mask in rows:
+        counts.index_add_(0, torch.tensor(ids), torch.tensor(mask, dtype=torch.float))
+    vocab = DraftVocab.from_token_counts(counts, 256)
+    supervision = [target.generate_batch(*mb) for mb in make_micro_batches(rows, 8) * 3]
+    return target, vocab, supervision
+
+
+def _learn(target, vocab, supervision, precision: str):
+    """The training loop's own learner (`train_loop.DraftLearner`, as a Ray Train worker runs
+    it, without DDP) over `supervision`: (the learner, its losses, the dtypes `fc` computed
+    in)."""
+    from eagle_ray.config import TrainConfig
+    from eagle_ray.train_loop import DraftLearner
+
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig.from_target(target.model.config, vocab.size),
+                        target.get_input_embeddings().weight.detach())
+    train = TrainConfig(precision=precision, steps=max(len(supervision), 1), warmup_steps=4,
+                        lr=3e-3)
+    learner = DraftLearner(draft, target.get_target_head(), vocab, train, torch.device("cpu"))
+    if not supervision:
+        return learner, [], set()
+    computed_in = set()
+    learner.draft.fc.register_forward_hook(lambda module, args, out: computed_in.add(out.dtype))
+    losses = [float(learner.step(batch)["loss"]) for batch in supervision]
+    return learner, losses, computed_in
+
+
+def test_the_training_loop_learns_in_bf16_autocast_with_fp32_master_weights(kit_supervision):
+    """bf16 through the real loop's autocast branch (CPU autocast): its matmuls run in bf16
+    (the fp32 path, the control, runs them in fp32, and its losses differ), the weights and
+    AdamW's moments stay fp32, and its losses follow fp32's within 1 % over 24 steps (measured:
+    0.05 % at most)."""
+    fp32, fp32_losses, fp32_dtypes = _learn(*kit_supervision, "fp32")
+    bf16, bf16_losses, bf16_dtypes = _learn(*kit_supervision, "bf16")
+    assert fp32.precision is None and fp32_dtypes == {torch.float32}
+    assert bf16.precision is torch.bfloat16 and bf16_dtypes == {torch.bfloat16}
+    assert bf16_losses != fp32_losses  # the two paths can be told apart
+    for learner in (fp32, bf16):
+        assert {p.dtype for p in learner.draft.parameters()} == {torch.float32}
+        moments = [t for state in learner.optimizer.state.values()
+                   for name, t in state.items() if name in ("exp_avg", "exp_avg_sq")]
+        assert moments and {t.dtype for t in moments} == {torch.float32}
+    relative = [abs(b - f) / f for b, f in zip(bf16_losses, fp32_losses, strict=True)]
+    assert max(relative) <= 0.01, relative
+    assert fp32_losses[-1] < 0.8 * fp32_losses[0]  # it learned, so the comparison means something

@@ -1,12 +1,16 @@
 """`eagle-ray bench gpu`: the GPU paths, measured on a GPU (needs torch and transformers only).
 
 - `hf_vs_cpu`: the HF backend on the device against the same weights on the CPU, per encoding,
-  in fp32 (max abs difference) and bf16 (cosine to the fp32 CPU reference);
+  in fp32 (max abs difference) and bf16 (cosine to the fp32 CPU reference), in the HF layout
+  (states on the device) and vLLM's (states captured into host memory as rows, the head on
+  the device: the base's waited copies between them);
 - `supervision`: supervision tokens/s of the HF backend at a Llama-3.1-8B shape (random weights),
   returned on the device (co-located) and in host memory (a replica), side by side;
 - `draft_step`: the draft's training step at the recipe's shape (2 x 4096 tokens, 7 TTT steps)
   with the linear-memory attention and the materialised one it replaced: tokens/s, peak memory,
   in bf16 autocast and fp32;
+- `learner_step`: the training loop's own learner (`DraftLearner`, bf16 autocast) at the
+  recipe's draft shape: tokens/s and peak memory against `eagle-ray plan`'s figure (ratio);
 - `fp8`: quantising a batch's hidden states on the device then copying, against copying bf16;
 - `pool` (when Ray is importable): a one-replica HF pool on the device against the same backend
   in this process, the same micro-batches (the pool's own overhead where cores are not shared).
@@ -18,11 +22,15 @@ synchronises the device (`bench.best_seconds`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 
 import torch
 
+from eagle_ray.aux_layers import resolve_eagle3_aux_layer_ids
+from eagle_ray.backends.base import RunnerEagle3TargetModel, RunnerOutput, TargetRunner
+from eagle_ray.backends.hf import HFTargetRunner
 from eagle_ray.bench import best_seconds, emit
 from eagle_ray.draft.model import (
     DraftConfig,
@@ -34,6 +42,7 @@ from eagle_ray.draft.model import (
 from eagle_ray.fp8 import encode_batch
 from eagle_ray.memory import TensorMemoryProbe
 from eagle_ray.target_batch import ENCODINGS
+from eagle_ray.target_head import TargetHead
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +64,7 @@ def run(device: str = "cuda", small: bool = False) -> None:
     _free(device)  # the 8B target is gone by now
     for precision in ("bf16", "fp32"):
         draft_step(device, shape, precision)
+    learner_step(device, shape)
     fp8(device, shape)
     pool_vs_in_process(device, small)
 
@@ -88,10 +98,11 @@ def hf_vs_cpu(device: torch.device, shape) -> None:
     draft_vocab = DraftVocab(torch.arange(0, vocab, 4), vocab)
     reference_model = _llama(shape, torch.float32, torch.device("cpu"), layers=8)
     reference = HFEagle3TargetModel(reference_model, draft_vocab=draft_vocab)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, layout in itertools.product((torch.float32, torch.bfloat16), ("hf", "vllm")):
         model = _llama(shape, torch.float32, device, layers=8)
         model.load_state_dict(reference_model.state_dict())
-        backend = HFEagle3TargetModel(model.to(dtype), draft_vocab=draft_vocab)
+        backend = (HFEagle3TargetModel if layout == "hf" else host_rows_backend)(
+            model.to(dtype), draft_vocab=draft_vocab)
         for encoding in ENCODINGS:
             want = reference.generate_batch(*micro_batch, encoding=encoding).tensors()
             got = backend.generate_batch(*micro_batch, encoding=encoding, device="cpu").tensors()
@@ -101,11 +112,49 @@ def hf_vs_cpu(device: torch.device, shape) -> None:
                 a, b = value.float().flatten(1), want[name].float().flatten(1)
                 if dtype == torch.float32:
                     emit("gpu", "max_abs_diff_vs_cpu", float((a - b).abs().max()), "abs",
-                         device=str(device), encoding=encoding, field=name, dtype="fp32")
+                         device=str(device), encoding=encoding, field=name, dtype="fp32",
+                         layout=layout)
                 else:
                     cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1).min()
                     emit("gpu", "min_cosine_vs_cpu_fp32", round(float(cosine), 5), "cosine",
-                         device=str(device), encoding=encoding, field=name, dtype="bf16")
+                         device=str(device), encoding=encoding, field=name, dtype="bf16",
+                         layout=layout)
+
+
+class HostRowsRunner(TargetRunner):
+    """vLLM's layout from an HF model: the model runs on the device, each row's captured states
+    come back into host memory unpadded (`[n, 4, H]`, as vLLM's capture hands them over) with
+    the engine's own greedy next token (its full forward's logits), and the head stays on the
+    device."""
+
+    def __init__(self, model, aux_layer_ids: list[int]) -> None:
+        self.model, self.capture = model, HFTargetRunner(model, aux_layer_ids)
+
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RunnerOutput:
+        device = next(self.model.parameters()).device
+        out = self.capture.run(input_ids, attention_mask)
+        states = torch.cat([out.aux_hidden_states.unflatten(-1, (3, -1)),
+                            out.last_hidden.unsqueeze(2)], dim=2)  # [B, S, 4, H]
+        lengths = attention_mask.sum(dim=1)
+        logits = self.model(input_ids=input_ids.to(device),
+                            attention_mask=attention_mask.to(device)).logits
+        last = (lengths - 1).to(device)
+        next_ids = logits[torch.arange(len(last), device=device), last].argmax(-1).cpu()
+        rows = [states[b, :n].cpu() for b, n in enumerate(lengths.tolist())]
+        return RunnerOutput(rows=rows, next_token_ids=next_ids)
+
+
+def host_rows_backend(model, draft_vocab=None, self_check: bool = False
+                      ) -> RunnerEagle3TargetModel:
+    """The base backend over `HostRowsRunner` (the vLLM layout on a GPU without vLLM)."""
+    config = model.config
+    aux_layer_ids = resolve_eagle3_aux_layer_ids(None, config.num_hidden_layers)
+    return RunnerEagle3TargetModel(
+        HostRowsRunner(model, aux_layer_ids), num_hidden_layers=config.num_hidden_layers,
+        vocab_size=config.vocab_size, aux_layer_ids=aux_layer_ids,
+        embedding=model.get_input_embeddings(), head=TargetHead.from_model(model),
+        draft_vocab=draft_vocab, self_check=self_check)
 
 
 def supervision(device: torch.device, shape) -> None:
@@ -166,6 +215,54 @@ def draft_step(device: torch.device, shape, precision: str) -> None:
              if "materialised" in results else None)
         emit("gpu", "draft_step_peak_gib", round(peak / 2**30, 3), "GiB", device=str(device),
              attention=name, precision=precision, rows=rows, seq=seq, ttt_steps=steps)
+
+
+def learner_step(device: torch.device, shape) -> None:
+    """The training loop's learner in bf16 autocast at the shape: tokens/s, and its peak memory
+    (weights, AdamW state, one step) against the plan's for the same parts."""
+    from eagle_ray.config import TrainConfig
+    from eagle_ray.plan import trainer_memory
+    from eagle_ray.supervision import DraftVocab
+    from eagle_ray.target_batch import Eagle3TargetBatch
+    from eagle_ray.train_loop import DraftLearner
+
+    hidden, _, heads, kv_heads, intermediate, vocab, rows, seq, steps = shape
+    config = DraftConfig(hidden_size=hidden, target_hidden_size=hidden, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                         intermediate_size=intermediate, vocab_size=vocab,
+                         draft_vocab_size=min(32000, vocab))
+    precision = "bf16" if device.type == "cuda" else "fp32"  # CPU: bf16 is slower there
+    planned = trainer_memory(config, rows, seq, steps, torch.bfloat16, precision == "bf16",
+                             ddp=False)
+    _free(device)
+
+    def measured() -> tuple[DraftLearner, Eagle3TargetBatch]:
+        torch.manual_seed(0)
+        head = TargetHead(torch.nn.RMSNorm(hidden), torch.nn.Linear(hidden, vocab, bias=False))
+        learner = DraftLearner(Eagle3Draft(config), head.requires_grad_(False),
+                               DraftVocab(torch.arange(config.draft_vocab_size), vocab),
+                               TrainConfig(precision=precision, steps=10, ttt_steps=steps),
+                               device)
+        ids = torch.randint(0, vocab, (rows, seq), device=device)
+        batch = Eagle3TargetBatch(
+            aux_hidden_states=torch.randn(rows, seq, 3 * hidden, device=device).bfloat16(),
+            input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids),
+            last_hidden=torch.randn(rows, seq, hidden, device=device).bfloat16())
+        learner.step(batch)  # AdamW's state exists from here
+        return learner, batch
+
+    peak = _peak_bytes(device, measured) if device.type == "cuda" else None
+    learner, batch = measured()
+    seconds = best_seconds(lambda: learner.step(batch), 2)
+    emit("gpu", "learner_step_tokens_per_s", round(rows * seq / seconds, 1), "tok/s",
+         device=str(device), precision=precision, rows=rows, seq=seq, ttt_steps=steps)
+    if peak is not None:  # the CPU has no allocator statistics for weights made outside a probe
+        plan = planned["weights"] + planned["optimizer"] + planned["step_peak"]
+        emit("gpu", "learner_peak_gib", round(peak / 2**30, 3), "GiB", device=str(device),
+             planned_gib=round(plan / 2**30, 3), ratio=round(peak / plan, 3), rows=rows,
+             seq=seq, ttt_steps=steps)
+    learner = batch = None  # freed before the next measurement
+    _free(device)
 
 
 def fp8(device: torch.device, shape) -> None:
