@@ -24,6 +24,7 @@ def test_the_gpu_check_runs_on_the_cpu_at_small_shapes():
     assert {r["returned_on"] for r in by_metric["supervision_tokens_per_s"]} == {"device", "cpu"}
     steps = {(r["attention"], r["precision"]) for r in by_metric["draft_step_peak_gib"]}
     assert steps == {(a, p) for a in ("linear", "materialised") for p in ("bf16", "fp32")}
+    assert by_metric["self_check_refused_right"][0]["value"] == 0  # no false alarm
     assert by_metric["learner_step_tokens_per_s"][0]["value"] > 0  # the loop's own learner
     assert {r["encoding_dtype"] for r in by_metric["to_host_seconds"]} == {"auto", "fp8"}
     pool = {r["path"]: r for r in by_metric["pool_supervision_tokens_per_s"]}

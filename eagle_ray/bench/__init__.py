@@ -95,6 +95,7 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[str, Any], dict[str, Any]]]] = {
         "model_path": path, "sizes": tuple(opts.conversations)}),
     "soak": ("soak", "run", lambda path, opts: {"minutes": opts.minutes}),
     "gpu": ("gpu", "run", lambda path, opts: {"device": opts.device}),
+    "self-check": ("self_check", "run", lambda path, opts: {"model_path": path}),
 }
 
 # `--quick`: each benchmark at the smallest size that still runs all of its code (CI runs every
@@ -114,6 +115,8 @@ QUICK: dict[str, dict[str, Any]] = {
     "ingest": {"sizes": (200,)},
     "soak": {"minutes": 0.1},
     "gpu": {"small": True},
+    "self-check": {"rows": 16, "wide": {"hidden": 256, "vocab": 4096, "intermediate": 512,
+                                        "heads": 4, "kv_heads": 2}},
 }
 
 

@@ -9,6 +9,9 @@
 - `draft_step`: the draft's training step at the recipe's shape (2 x 4096 tokens, 7 TTT steps)
   with the linear-memory attention and the materialised one it replaced: tokens/s, peak memory,
   in bf16 autocast and fp32;
+- `self_check`: the self-check's rule (`backends.base.refused_rows`) over 1,024 rows of a bf16
+  model in vLLM's layout: the model's own greedy token (its full forward) against the head on
+  the captured final state: correct captures refused (false alarms);
 - `learner_step`: the training loop's own learner (`DraftLearner`, bf16 autocast) at the
   recipe's draft shape: tokens/s and peak memory against `eagle-ray plan`'s figure (ratio);
 - `fp8`: quantising a batch's hidden states on the device then copying, against copying bf16;
@@ -60,6 +63,7 @@ def run(device: str = "cuda", small: bool = False) -> None:
         raise ValueError("bench gpu: no CUDA device here; run with --device cpu --quick")
     shape = SHAPES["small" if small else "llama3.1-8b"]
     hf_vs_cpu(device, shape)
+    self_check(device, shape)
     supervision(device, shape)
     _free(device)  # the 8B target is gone by now
     for precision in ("bf16", "fp32"):
@@ -155,6 +159,30 @@ def host_rows_backend(model, draft_vocab=None, self_check: bool = False
         vocab_size=config.vocab_size, aux_layer_ids=aux_layer_ids,
         embedding=model.get_input_embeddings(), head=TargetHead.from_model(model),
         draft_vocab=draft_vocab, self_check=self_check)
+
+
+def self_check(device: torch.device, shape, rows: int = 1024) -> None:
+    """Correct captures the self-check refuses, in bf16 on `device` (fp32 on the CPU)."""
+    from eagle_ray.backends.base import refused_rows
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = host_rows_backend(_llama(shape, dtype, device, layers=8))
+    runner, head = backend.runner, backend.get_target_head()
+    generator = torch.Generator().manual_seed(1)
+    refused = 0
+    for _ in range(rows // 16):
+        lengths = torch.randint(2, 33, (16,), generator=generator)
+        ids = torch.randint(3, shape[5], (16, int(lengths.max())), generator=generator)
+        mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
+        out = runner.run(ids * mask, mask)
+        final = torch.stack([r[-1, -1] for r in out.rows]).to(device)
+        with torch.no_grad():
+            logits = head(final).float()
+        refused += int(refused_rows(out.next_token_ids.to(device), logits, dtype).sum())
+    emit("gpu", "self_check_refused_right", refused, "rows", device=str(device),
+         rows=rows // 16 * 16, dtype=str(dtype).removeprefix("torch."))
+    del backend
+    _free(device)
 
 
 def supervision(device: torch.device, shape) -> None:
