@@ -32,7 +32,7 @@ from eagle_ray.draft.export import load_exported_draft
 from eagle_ray.draft.model import Eagle3Draft
 from eagle_ray.eval_prompts import EvalPrompt, EvalPrompts, read_eval_prompts
 from eagle_ray.serving import DraftServing
-from eagle_ray.simulate import simulate_acceptance, simulate_sampled_acceptance
+from eagle_ray.simulate import simulate_acceptance, simulate_sampled
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +165,20 @@ def _simulate(serving: DraftServing, prompts: EvalPrompts, tokenizer, eval_confi
                                             eval_config.temperatures):
         row: dict[str, Any] = {"num_speculative_tokens": k, "temperature": temperature}
         for name, draft in (("trained", trained), ("untrained", untrained)):
-            row[name], row[f"acceptance_per_position_{name}"] = simulate_acceptance(
-                target, draft, vocab, turn_prompts, continuations, k) if temperature == 0 \
-                else simulate_sampled_acceptance(target, draft, vocab, turn_prompts, k,
-                                                 temperature, n, stops, eval_config.seed)
+            if temperature == 0:
+                row[name], row[f"acceptance_per_position_{name}"] = simulate_acceptance(
+                    target, draft, vocab, turn_prompts, continuations, k)
+                continue
+            run = simulate_sampled(target, draft, vocab, turn_prompts, k, temperature, n, stops,
+                                   eval_config.seed)
+            row[name], row[f"acceptance_per_position_{name}"] = (run.length(),
+                                                                 run.tally.per_position())
+            # Exact E[accepted | context] over the same verify steps (eagle_ray.simulate).
+            row[f"{name}_expected"] = run.expected_length()
+        if temperature > 0:
+            logger.info("simulated k=%d t=%g: trained %.2f (exact %.2f), untrained %.2f (exact "
+                        "%.2f)", k, temperature, row["trained"], row["trained_expected"],
+                        row["untrained"], row["untrained_expected"])
         report["simulated"].append(row)
     return report, greedy
 

@@ -8,9 +8,19 @@ sampling with a deterministic draft): draft token `x` is accepted with probabili
 the target's temperature-scaled distribution; on a rejection the next token is drawn from `p`
 without `x`, after `k` acceptances from the next position's `p`. Acceptance length is vLLM's
 definition, 1 + accepted / verify steps, so the two measurements compare.
+
+Sampled, the expectation is exact as well (`VerifyStep.moments`): the draft's proposal is a point
+mass, so given a step's context draft token j is accepted with `alpha_j = p(d_j | context,
+d_<j)` once the ones before it were, and E[accepted | context] and Var[accepted | context]
+follow from the alphas without sampling. The realised count minus the sum of these conditional
+expectations over the steps the simulation ran is a martingale: it stays within a few
+sqrt(sum of the conditional variances) of 0 (`SampledAcceptance.deviation`).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import torch
 
@@ -62,18 +72,132 @@ def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: 
     return tally.length(), tally.per_position()
 
 
+
+
+@dataclasses.dataclass
+class VerifyStep:
+    """One verify step of speculative sampling with a greedy (deterministic) draft: the drafted
+    tokens up to and including the first stop token (an accepted stop token ends the answer, so
+    the chain ends there: `stopped`), the target's distributions on the host, `probs[j]` for
+    the token after `next_token` + `drafted[:j]` (j = 0..k), and `alphas[j] = probs[j,
+    drafted[j]]`: draft token j's acceptance probability once the ones before it were accepted
+    (min(1, p / q) with q a point mass on it). The sampler and the exact moments share them."""
+
+    drafted: list[int]
+    probs: torch.Tensor
+    alphas: list[float]
+    stopped: bool
+
+    def reach(self) -> list[float]:
+        """Per draft position j, P(accepted | context) = alpha_1 * ... * alpha_j."""
+        reach, product = [], 1.0
+        for alpha in self.alphas:
+            product *= alpha
+            reach.append(product)
+        return reach
+
+    def moments(self) -> tuple[float, float]:
+        """E[A | context] and Var[A | context] of A, the draft tokens this step accepts:
+        A = sum_j 1[positions 1..j accepted], so E[A] = sum_j P_j and, as 1[j] * 1[l] =
+        1[max(j, l)], E[A^2] = sum_j (2j - 1) P_j, with P_j = `reach()[j - 1]`."""
+        reach = self.reach()
+        mean = sum(reach)
+        square = sum((2 * j + 1) * p for j, p in enumerate(reach))
+        return mean, max(square - mean * mean, 0.0)
+
+
+@dataclasses.dataclass
+class SampledAcceptance:
+    """A sampled simulation: the accepted counts it realised (`tally`), per verify step it ran
+    E[accepted | that step's context] and Var[accepted | that step's context] (exact, from the
+    alphas), per draft position the sum over steps of P(accepted | context), and the answers.
+
+    The exact figure is conditional on the contexts the simulation sampled, not on reference
+    (greedy) answers: at temperature t the target's own answers are what vLLM verifies too,
+    while a greedy answer is a more predictable context than a sampled one and would overstate
+    acceptance. It is the realised figure with the acceptance coin flips averaged out (what
+    remains random is which answers were sampled), the same expectation with less noise."""
+
+    tally: AcceptanceTally
+    expected: list[float] = dataclasses.field(default_factory=list)
+    variance: list[float] = dataclasses.field(default_factory=list)
+    reach: list[float] = dataclasses.field(default_factory=list)
+    answers: list[list[int]] = dataclasses.field(default_factory=list)
+
+    def record(self, step: VerifyStep, accepted: int) -> None:
+        self.tally.record(accepted)
+        mean, variance = step.moments()
+        self.expected.append(mean)
+        self.variance.append(variance)
+        for j, p in enumerate(step.reach()):
+            self.reach[j] += p
+
+    def length(self) -> float:
+        """Realised: 1 + accepted / verify steps."""
+        return self.tally.length()
+
+    def expected_length(self) -> float:
+        """Exact: 1 + sum of E[accepted | context] / verify steps; NaN before any step."""
+        steps = self.tally.steps
+        return 1 + sum(self.expected) / steps if steps else float("nan")
+
+    def expected_per_position(self) -> list[float]:
+        steps = self.tally.steps
+        return [p / steps if steps else float("nan") for p in self.reach]
+
+    def deviation(self) -> float:
+        """(realised accepted - sum of E[accepted | context]) / sqrt(sum of Var[accepted |
+        context]): a martingale's sum over its conditional spread, about N(0, 1) over many
+        steps; 0 when both agree with no spread, infinite when they differ with none."""
+        gap, spread = self.tally.accepted - sum(self.expected), math.sqrt(sum(self.variance))
+        if spread > 0:
+            return gap / spread
+        return 0.0 if abs(gap) < 1e-9 else math.copysign(math.inf, gap)
+
+
+def accepts(alpha: float, generator: torch.Generator) -> bool:
+    """Speculative sampling's test for a draft token the draft proposed with certainty."""
+    return float(torch.rand((), generator=generator)) < alpha
+
+
+def _speculate(step: VerifyStep, generator: torch.Generator, sample) -> tuple[int, int | None]:
+    """(draft tokens accepted, the token after them): on a rejection drawn from `p` without the
+    rejected token, after the whole chain from the next position's `p`, None when an accepted
+    stop token ended the answer."""
+    for j, (token, alpha) in enumerate(zip(step.drafted, step.alphas, strict=True)):
+        if not accepts(alpha, generator):
+            rest = step.probs[j].clone()
+            rest[token] = 0
+            return j, sample(rest / rest.sum())
+    accepted = len(step.drafted)
+    return accepted, None if step.stopped else sample(step.probs[accepted])
+
+
+def _verify(target: HFEagle3TargetModel, distribution, draft: Eagle3Draft, vocab: DraftVocab,
+            aux: torch.Tensor, seq: list[int], next_token: int, k: int, stops: set[int]
+            ) -> tuple[VerifyStep, torch.Tensor]:
+    """The draft's chain after `seq` + `next_token` and the target's verdict on it; with the
+    target's aux states of the verified sequence (those of `seq` are a causal prefix)."""
+    drafted = draft_chain(draft, vocab, aux, seq, next_token, k)
+    ids = torch.tensor([seq + [next_token] + drafted])
+    out = target.runner.run(ids, torch.ones_like(ids))
+    probs = distribution(out.last_hidden[0, len(seq):])
+    end = next((j + 1 for j, token in enumerate(drafted) if token in stops), None)
+    alphas = [float(probs[j, token]) for j, token in enumerate(drafted[:end])]
+    return VerifyStep(drafted[:end], probs, alphas, end is not None), out.aux_hidden_states
+
+
 @torch.inference_mode()
-def simulate_sampled_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft,
-                                vocab: DraftVocab, prompts: list[list[int]], k: int,
-                                temperature: float, max_new_tokens: int,
-                                stop_token_ids: tuple[int, ...], seed: int = 0
-                                ) -> tuple[float, list[float]]:
+def simulate_sampled(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,
+                     prompts: list[list[int]], k: int, temperature: float, max_new_tokens: int,
+                     stop_token_ids: tuple[int, ...], seed: int = 0) -> SampledAcceptance:
     """Sampled at `temperature` (> 0): speculative sampling of the target's own answers, each
-    up to `max_new_tokens` or a stop token (see the module doc)."""
+    up to `max_new_tokens` or a stop token (see the module doc), with the exact conditional
+    moments of every verify step it ran."""
     head = target.get_target_head()
     generator = torch.Generator().manual_seed(seed)
     stops = set(stop_token_ids)
-    tally = AcceptanceTally.empty(k)
+    result = SampledAcceptance(AcceptanceTally.empty(k), reach=[0.0] * k)
 
     def distribution(hidden: torch.Tensor) -> torch.Tensor:  # on the host: sampled there
         return torch.softmax(head(hidden).float() / temperature, dim=-1).cpu()
@@ -84,30 +208,30 @@ def simulate_sampled_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft,
     for prompt in prompts:
         ids = torch.tensor([prompt])
         out = target.runner.run(ids, torch.ones_like(ids))
-        seq, next_token, produced = list(prompt), sample(distribution(out.last_hidden[0, -1])), 0
+        seq, next_token = list(prompt), sample(distribution(out.last_hidden[0, -1]))
         aux = out.aux_hidden_states  # of every token of seq (causal: a longer run's prefix)
-        while next_token not in stops and produced + 1 < max_new_tokens:
-            drafted = draft_chain(draft, vocab, aux, seq, next_token, k)
-            ids = torch.tensor([seq + [next_token] + drafted])
-            out = target.runner.run(ids, torch.ones_like(ids))
-            # probs[j]: the target's distribution for the token after next_token + drafted[:j].
-            probs = distribution(out.last_hidden[0, len(seq):])
-            accepted, following = 0, None
-            for j, token in enumerate(drafted):
-                if float(torch.rand((), generator=generator)) >= float(probs[j, token]):
-                    rest = probs[j].clone()
-                    rest[token] = 0
-                    following = sample(rest / rest.sum())
-                    break
-                accepted += 1
-                if token in stops:
-                    break
-            kept = [next_token] + drafted[:accepted]
-            tally.record(accepted)
-            seq += kept
-            produced += len(kept)
-            aux = out.aux_hidden_states[:, :len(seq)]
-            if stops & set(kept):
+        while next_token not in stops and len(seq) - len(prompt) + 1 < max_new_tokens:
+            step, aux = _verify(target, distribution, draft, vocab, aux, seq, next_token, k,
+                                stops)
+            accepted, following = _speculate(step, generator, sample)
+            result.record(step, accepted)
+            seq += [next_token] + step.drafted[:accepted]
+            aux = aux[:, :len(seq)]
+            if following is None:  # an accepted stop token: the answer ends with it
                 break
-            next_token = following if following is not None else sample(probs[k])
-    return tally.length(), tally.per_position()
+            next_token = following
+        else:  # the last token drawn (a stop token, or the answer's last) ends the answer
+            seq.append(next_token)
+        result.answers.append(seq[len(prompt):])
+    return result
+
+
+def simulate_sampled_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft,
+                                vocab: DraftVocab, prompts: list[list[int]], k: int,
+                                temperature: float, max_new_tokens: int,
+                                stop_token_ids: tuple[int, ...], seed: int = 0
+                                ) -> tuple[float, list[float]]:
+    """`simulate_sampled`'s realised acceptance length and share accepted per draft position."""
+    run = simulate_sampled(target, draft, vocab, prompts, k, temperature, max_new_tokens,
+                           stop_token_ids, seed)
+    return run.length(), run.tally.per_position()
