@@ -1,4 +1,5 @@
-"""EAGLE-3 for target architectures whose vLLM model class lacks it, as a vLLM plugin.
+"""EAGLE-3 for target architectures whose vLLM model class lacks it, and sampled speculative
+decoding on the CPU build, as a vLLM plugin.
 
 vLLM captures a target's aux hidden states (for eagle_ray's supervision, and for serving an
 EAGLE-3 draft) only on model classes that implement `SupportsEagle3`. vLLM 0.32's
@@ -7,7 +8,8 @@ aux_hidden_state_outputs was requested"). `register` -- the `vllm.general_plugin
 this package installs, so every vLLM process of an environment with eagle_ray in it loads it,
 including a `vllm serve` of an exported draft -- registers the subclass below in its place, and
 does nothing once vLLM's own class supports EAGLE-3. Equal to the HF reference on every slot:
-tests/test_vllm_target.py.
+tests/test_vllm_target.py. It also fixes the CPU build's rejection-sampler kernel
+(`cpu_sampling`), which must be in place before the worker registers its kernel overrides.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ def register() -> None:
     """The plugin entry point (`pyproject.toml`: `vllm.general_plugins`)."""
     from vllm import ModelRegistry
     from vllm.model_executor.models.mixtral import MixtralForCausalLM
+
+    from eagle_ray.backends.vllm import cpu_sampling
+
+    cpu_sampling.install()
 
     if not getattr(MixtralForCausalLM, "supports_eagle3", False):
         ModelRegistry.register_model(
