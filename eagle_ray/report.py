@@ -49,6 +49,9 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
         lines.append(_row(f"simulated, {name}", [
             by_setting[_setting(c)][name] if _setting(c) in by_setting else "-"
             for c in columns], width))
+    if any("trained_expected" in r for r in simulated):  # sampled: the exact expectation
+        lines.append(_row("exact, trained", [
+            by_setting.get(_setting(c), {}).get("trained_expected", "-") for c in columns], width))
     if measured:
         lines.append(_row("greedy output unchanged", [
             f"{r['greedy_equal_fraction']:.0%}" if "greedy_equal_fraction" in r else "-"

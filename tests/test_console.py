@@ -103,3 +103,19 @@ def test_the_summary_table_carries_the_summarys_figures():
     assert command == ("vllm serve '/models/My 8B' --dtype bfloat16 --tensor-parallel-size 2 "
                        "--speculative-config '{\"method\": \"eagle3\", \"model\": "
                        "\"/runs/x/draft\", \"num_speculative_tokens\": 2}'")
+
+
+def test_the_exact_expectation_stands_beside_the_sampled_simulation():
+    from eagle_ray.report import acceptance_lines
+
+    per_position = {"acceptance_per_position_trained": [0.9, 0.8, 0.7],
+                    "acceptance_per_position_untrained": [0.0, 0.0, 0.0]}
+    greedy = {"num_speculative_tokens": 3, "temperature": 0.0, "trained": 2.9,
+              "untrained": 1.0, **per_position}
+    sampled = {**greedy, "temperature": 1.0, "trained": 2.8, "trained_expected": 2.79}
+    lines = acceptance_lines({"prompts": 6, "turns": 6, "vllm": [],
+                              "simulated": [greedy, sampled]})
+    assert any(line.split() == ["exact,", "trained", "-", "2.79"] for line in lines)
+    # The control: without the figure (a greedy-only evaluation) there is no such row.
+    assert not any("exact" in line for line in acceptance_lines(
+        {"prompts": 6, "turns": 6, "vllm": [], "simulated": [greedy]}))
