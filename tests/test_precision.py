@@ -3,6 +3,7 @@ rules for choosing it."""
 
 import pytest
 import torch
+from kit_helpers import kit_rows
 from transformers import AutoTokenizer
 
 from eagle_ray.backends.hf import HFEagle3TargetModel
@@ -70,17 +71,8 @@ def test_bf16_training_reaches_the_acceptance_of_fp32_on_the_tiny_kit():
 def kit_supervision():
     """The pre-trained tiny Llama (fp32), a draft vocabulary and 24 micro-batches of its
     supervision (3 epochs of the kit's chats)."""
-    path = tiny_target("llama", pretrained=True)
-    target = HFEagle3TargetModel.from_pretrained(path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    samples = [(f"sample {i}", s["messages"]) for i, s in
-               enumerate(generate_chat_samples(64, seed=5))]
-    rows = tokenize_chats(samples, tokenizer, 256, target.vocab_size).rows
-    counts = torch.zeros(target.vocab_size)
-    for ids, mask in rows:
-        counts.index_add_(0, torch.tensor(ids), torch.tensor(mask, dtype=torch.float))
-    vocab = DraftVocab.from_token_counts(counts, 256)
-    supervision = [target.generate_batch(*mb) for mb in make_micro_batches(rows, 8) * 3]
+    target, _, rows, vocab = kit_rows(64, seed=5)
+    supervision = [target.generate_batch(*mb) for mb in make_micro_batches(rows, 8)] * 3
     return target, vocab, supervision
 
 

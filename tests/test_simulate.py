@@ -7,17 +7,15 @@ import math
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from kit_helpers import kit_rows
 
 from eagle_ray import simulate
-from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.chat import prompt_for_turn, stop_token_ids
-from eagle_ray.data import make_micro_batches, tokenize_chats
+from eagle_ray.data import make_micro_batches
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft
 from eagle_ray.evaluate import greedy_generate
 from eagle_ray.simulate import VerifyStep, simulate_acceptance, simulate_sampled
-from eagle_ray.supervision import DraftVocab
-from eagle_ray.tiny import generate_chat_samples, tiny_target
+from eagle_ray.tiny import generate_chat_samples
 
 Z = 4.0  # |realised - sum of E[accepted | context]| <= Z * sqrt(sum of Var[accepted | context])
 K = 3
@@ -71,16 +69,7 @@ def tiny_pair():
     from eagle_ray.config import TrainConfig
     from eagle_ray.train_loop import DraftLearner
 
-    path = tiny_target("llama", pretrained=True)
-    target = HFEagle3TargetModel.from_pretrained(path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    samples = [(f"sample {i}", s["messages"]) for i, s in
-               enumerate(generate_chat_samples(48, seed=5))]
-    rows = tokenize_chats(samples, tokenizer, 256, target.vocab_size).rows
-    counts = torch.zeros(target.vocab_size)
-    for ids, mask in rows:
-        counts.index_add_(0, torch.tensor(ids), torch.tensor(mask, dtype=torch.float))
-    vocab = DraftVocab.from_token_counts(counts, 256)
+    target, tokenizer, rows, vocab = kit_rows(48, seed=5)
     supervision = [target.generate_batch(*mb) for mb in make_micro_batches(rows, 8)] * 5
     torch.manual_seed(0)
     draft = Eagle3Draft(DraftConfig.from_target(target.model.config, vocab.size),
