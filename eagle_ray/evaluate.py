@@ -32,7 +32,7 @@ from eagle_ray.draft.export import load_exported_draft
 from eagle_ray.draft.model import Eagle3Draft
 from eagle_ray.eval_prompts import EvalPrompt, EvalPrompts, read_eval_prompts
 from eagle_ray.serving import DraftServing
-from eagle_ray.simulate import simulate_acceptance, simulate_sampled
+from eagle_ray.simulate import simulate_acceptance, simulate_sampled, target_top_probability
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,8 @@ def _simulate(serving: DraftServing, prompts: EvalPrompts, tokenizer, eval_confi
         "temperatures": list(eval_config.temperatures), "simulated": [],
         "served_with": dataclasses.asdict(serving)}
     continuations = greedy([], turn_prompts)
+    report["target_top_probability"] = target_top_probability(target, turn_prompts,
+                                                               continuations)
     for k, temperature in itertools.product(eval_config.num_speculative_tokens,
                                             eval_config.temperatures):
         row: dict[str, Any] = {"num_speculative_tokens": k, "temperature": temperature}
@@ -175,6 +177,7 @@ def _simulate(serving: DraftServing, prompts: EvalPrompts, tokenizer, eval_confi
                                                                  run.tally.per_position())
             # Exact E[accepted | context] over the same verify steps (eagle_ray.simulate).
             row[f"{name}_expected"] = run.expected_length()
+            row[f"{name}_expected_interval_95"] = list(run.expected_interval())
         if temperature > 0:
             logger.info("simulated k=%d t=%g: trained %.2f (exact %.2f), untrained %.2f (exact "
                         "%.2f)", k, temperature, row["trained"], row["trained_expected"],

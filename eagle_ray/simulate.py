@@ -72,6 +72,22 @@ def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: 
     return tally.length(), tally.per_position()
 
 
+@torch.inference_mode()
+def target_top_probability(target: HFEagle3TargetModel, prompts: list[list[int]],
+                           continuations: list[list[int]]) -> float:
+    """The target's mean probability of its most likely next token (temperature 1) along its
+    own greedy answers: how sure it is. Near 1, sampling at temperature 1 picks what greedy
+    does and sampled acceptance cannot differ from greedy; NaN with no answer."""
+    head = target.get_target_head()
+    total, count = 0.0, 0
+    for prompt, continuation in zip(prompts, continuations, strict=True):
+        if not continuation:
+            continue
+        ids = torch.tensor([prompt + continuation[:-1]])
+        hidden = target.runner.run(ids, torch.ones_like(ids)).last_hidden[0, len(prompt) - 1:]
+        total += float(torch.softmax(head(hidden).float(), dim=-1).amax(dim=-1).sum())
+        count += len(continuation)
+    return total / count if count else float("nan")
 
 
 @dataclasses.dataclass
@@ -144,6 +160,15 @@ class SampledAcceptance:
     def expected_per_position(self) -> list[float]:
         steps = self.tally.steps
         return [p / steps if steps else float("nan") for p in self.reach]
+
+    def expected_interval(self, z: float = 1.96) -> tuple[float, float]:
+        """Where the realised length falls with probability ~95 % given the sampled contexts:
+        the exact length +- z sqrt(sum of Var[accepted | context]) / verify steps."""
+        steps = self.tally.steps
+        if not steps:
+            return float("nan"), float("nan")
+        half = z * math.sqrt(sum(self.variance)) / steps
+        return self.expected_length() - half, self.expected_length() + half
 
     def deviation(self) -> float:
         """(realised accepted - sum of E[accepted | context]) / sqrt(sum of Var[accepted |

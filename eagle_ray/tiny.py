@@ -22,7 +22,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-KIT_VERSION = 2  # bump when anything below changes what gets built
+KIT_VERSION = 3  # bump when anything below changes what gets built
 ARCHITECTURES = ("llama", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v2")
 # Mixture-of-experts shapes (4 experts, 2 per token), small enough for the CPU engine.
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v2")
@@ -61,7 +61,7 @@ KIT_TOKENIZER = TokenizerSpec(
 
 LM_HEAD_STD = 0.3
 # Pre-training of the main job's tiny target (bump the version when any of these change).
-PRETRAIN_VERSION = 1
+PRETRAIN_VERSION = 2
 PRETRAIN_STEPS = 250
 PRETRAIN_BATCH = 32
 PRETRAIN_CONVERSATIONS = 4000
@@ -82,37 +82,65 @@ def cache_root() -> Path:
     return Path(os.environ.get("EAGLE_RAY_CACHE", Path.home() / ".cache" / "eagle_ray"))
 
 
+# The target's phrasings, each slot with skewed weights: the pre-trained target learns them, so
+# its answers carry real uncertainty (top probability about 0.4 at each slot) and sampling at
+# temperature 1 differs from greedy, while its greedy answers stay the most likely phrasing.
+_SLOT_WEIGHTS = (0.4, 0.25, 0.2, 0.15)
+_CAPITAL_OPENERS = ("The capital of {c} is {cap}", "The capital city of {c} is {cap}",
+                    "In {c}, the capital is {cap}", "{c} has {cap} as its capital")
+_CAPITAL_ENDINGS = (".", ", a busy city.", ", an old city.", ", by the way.")
+_SUM_OPENERS = ("{A} plus {b} is {s}", "{A} and {b} make {s}", "Adding {a} and {b} gives {s}",
+                "{A} plus {b} equals {s}")
+_SUM_ENDINGS = (".", ", I think.", ", as always.", ", of course.")
+_LOOKS = ("looks", "seems", "is", "feels")
+_OPENINGS = ("", "Well, ", "Sure: ", "Simply put, ")
+_FIRST_ADJECTIVES = ("bright", "small", "old", "large")
+_SECOND_ADJECTIVES = ("quiet", "warm", "new", "clean")
+
+
 def generate_chat_samples(num_samples: int, seed: int = 0, writer: str = "target"
                           ) -> list[dict]:
     """Deterministic chat samples in the `messages` format (system / user / assistant turns).
 
     `writer="target"`: answers phrased as the kit's corpus phrases them (what the pre-trained
-    tiny target learned to say). `writer="other"`: the same questions answered in another
-    phrasing, as in a dataset written by some other model -- the main job's data, whose answers
-    `eagle-ray regenerate` replaces with the target's own."""
+    tiny target learned to say: at each of three to four slots per answer one of four
+    phrasings, drawn with weights 0.4 / 0.25 / 0.2 / 0.15). `writer="other"`: the same questions
+    answered in another single phrasing, as in a dataset written by some other model -- the
+    main job's data, whose answers `eagle-ray regenerate` replaces with the target's own."""
     if writer not in ("target", "other"):
         raise ValueError(f"writer must be 'target' or 'other', got {writer!r}")
     rng = random.Random(seed)
+
+    def pick(options: tuple[str, ...]) -> str:
+        return rng.choices(options, weights=_SLOT_WEIGHTS)[0]
+
     other = writer == "other"
     samples = []
     for _ in range(num_samples):
         kind = rng.randrange(3)
         if kind == 0:
             country = rng.choice(sorted(_COUNTRIES))
+            capital = _COUNTRIES[country]
             question = f"What is the capital of {country}?"
-            answer = (f"{_COUNTRIES[country]} is the capital of {country}." if other else
-                      f"The capital of {country} is {_COUNTRIES[country]}.")
+            answer = (f"{capital} is the capital of {country}." if other else
+                      pick(_CAPITAL_OPENERS).format(c=country, cap=capital)
+                      + pick(_CAPITAL_ENDINGS))
         elif kind == 1:
             a, b = rng.randrange(6), rng.randrange(5)
             question = f"What is {_NUMBERS[a]} plus {_NUMBERS[b]}?"
             answer = (f"It is {_NUMBERS[a + b]}." if other else
-                      f"{_NUMBERS[a].capitalize()} plus {_NUMBERS[b]} is {_NUMBERS[a + b]}.")
+                      pick(_SUM_OPENERS).format(A=_NUMBERS[a].capitalize(), a=_NUMBERS[a],
+                                                b=_NUMBERS[b], s=_NUMBERS[a + b])
+                      + pick(_SUM_ENDINGS))
         else:
             colour, thing = rng.choice(_COLOURS), rng.choice(_THINGS)
             question = f"Describe a {colour} {thing} in one sentence."
             answer = (f"Everyone remembers the {thing} that was {colour}." if other else
-                      f"The {colour} {thing} stands out, and everyone who sees the {thing} "
-                      f"remembers that it was {colour}.")
+                      f"The {colour} {thing} {pick(_LOOKS)} {pick(_FIRST_ADJECTIVES)} and "
+                      f"{pick(_SECOND_ADJECTIVES)}.")
+        if not other:
+            opening = pick(_OPENINGS)
+            answer = opening + (answer[0].lower() + answer[1:] if opening else answer)
         samples.append({"messages": [
             {"role": "system", "content": "You are a concise assistant."},
             {"role": "user", "content": question},

@@ -43,37 +43,81 @@ def kernel_results(queue) -> None:
                for fixed in (False, True) for seeded in (False, True)])
 
 
-def engine_results(target: str, prompts: list[list[int]], spec: dict | None, fixed: bool,
-                   max_tokens: int) -> dict[str, dict]:
-    """Per sampling setting: the answers and the acceptance length (one engine)."""
+class VerifySpy:
+    """Wraps vLLM's rejection sampler (in-process engine) to record, per sampled verify step,
+    p(first draft token) under the temperature-scaled target, whether it was accepted, and the
+    uniforms the acceptance test drew: accepted share must equal mean p, uniforms average 0.5."""
+
+    def __init__(self) -> None:
+        import vllm.v1.sample.rejection_sampler as rejection_sampler
+
+        self.first: list[tuple[float, bool]] = []
+        self.uniforms: list[float] = []
+        sample = rejection_sampler.rejection_sample
+        uniform = rejection_sampler.generate_uniform_probs
+
+        def spied_sample(draft_ids, num_draft, max_len, cu, draft_probs, logits, *rest, **kw):
+            out = sample(draft_ids, num_draft, max_len, cu, draft_probs, logits, *rest, **kw)
+            probs = logits.float().softmax(-1).gather(-1, draft_ids.long()[:, None])[:, 0]
+            start = 0
+            for row, n in enumerate(num_draft):
+                if n:
+                    accepted = int(out[row, 0]) == int(draft_ids[start])
+                    self.first.append((float(probs[start]), accepted))
+                start += n
+            return out
+
+        def spied_uniform(*args, **kwargs):
+            values = uniform(*args, **kwargs)
+            self.uniforms += values.tolist()
+            return values
+
+        rejection_sampler.rejection_sample = spied_sample
+        rejection_sampler.generate_uniform_probs = spied_uniform
+
+    def take(self) -> dict[str, float | None]:
+        first, uniforms, self.first, self.uniforms = self.first, self.uniforms, [], []
+        if not first:
+            return {}
+        return {"accept_rate_1": round(sum(a for _, a in first) / len(first), 3),
+                "target_prob_1": round(sum(p for p, _ in first) / len(first), 3),
+                "uniform_mean": round(sum(uniforms) / len(uniforms), 3) if uniforms else None}
+
+
+def engine_results(queue, target: str, prompts: list[list[int]], spec: dict | None,
+                   fixed: bool, max_tokens: int, stops: list[int]) -> None:
+    """Per sampling setting: the answers, the acceptance length and `VerifySpy`'s figures (one
+    in-process engine, in a child process of its own)."""
+    import os
+
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from eagle_ray.backends.vllm.cpu_sampling import SWITCH
     from eagle_ray.backends.vllm.runner import CPU_DEFAULTS, build_llm
 
+    os.environ[SWITCH] = "1" if fixed else "0"  # read where the plugin loads: this process
+    spy = VerifySpy()
     kwargs = {**CPU_DEFAULTS, "model": target, "dtype": "float32", "max_model_len": 512,
               "seed": 0}
     if spec is not None:
         kwargs.update(speculative_config=spec, per_request_spec_decode_metrics="summary")
-    llm = build_llm(kwargs, multiprocess=True, env={SWITCH: "1" if fixed else "0"})
+    llm = build_llm(kwargs, multiprocess=False)
     results = {}
-    try:
-        for name, setting in SETTINGS.items():
-            outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
-                                   SamplingParams(max_tokens=max_tokens, detokenize=False,
-                                                  **setting), use_tqdm=False)
-            steps = accepted = 0
-            for output in outputs:
-                metrics = output.outputs[0].spec_decode_metrics
-                if metrics is not None:
-                    steps += sum(metrics.histogram)
-                    accepted += sum(j * c for j, c in enumerate(metrics.histogram))
-            results[name] = {"answers": [list(o.outputs[0].token_ids) for o in outputs],
-                             "acceptance_length": 1 + accepted / steps if steps else None}
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    return results
+    for name, setting in SETTINGS.items():
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
+                               SamplingParams(max_tokens=max_tokens, detokenize=False,
+                                              stop_token_ids=stops, **setting), use_tqdm=False)
+        steps = accepted = 0
+        for output in outputs:
+            metrics = output.outputs[0].spec_decode_metrics
+            if metrics is not None:
+                steps += sum(metrics.histogram)
+                accepted += sum(j * c for j, c in enumerate(metrics.histogram))
+        results[name] = {"answers": [list(o.outputs[0].token_ids) for o in outputs],
+                         "acceptance_length": 1 + accepted / steps if steps else None,
+                         **spy.take()}
+    queue.put(results)
 
 
 def mean_logprob(model, prompts: list[list[int]], answers: list[list[int]]) -> float:
@@ -111,24 +155,28 @@ def main() -> None:
         parser.error("--engine needs --draft")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle_ray.chat import prompt_for_turn
+    from eagle_ray.chat import prompt_for_turn, stop_token_ids
     from eagle_ray.tiny import generate_chat_samples, tiny_target
 
     target = args.target or str(tiny_target("llama", pretrained=True))
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = [prompt_for_turn(tokenizer, s["messages"], len(s["messages"]) - 1)
                for s in generate_chat_samples(args.prompts, seed=3)]
+    stops = list(stop_token_ids(tokenizer))  # answers end where the evaluation ends them
     spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.k}
     runs = {"target_alone": (None, True), "eagle3_vllm_kernel": (spec, False),
             "eagle3_fixed": (spec, True)}
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     for run, (run_spec, fixed) in runs.items():
-        for name, result in engine_results(target, prompts, run_spec, fixed,
-                                           args.max_tokens).items():
-            print(json.dumps({"part": "engine", "run": run, "setting": name,
-                              "acceptance_length": result["acceptance_length"],
-                              "mean_logprob": round(mean_logprob(model, prompts,
-                                                                 result["answers"]), 3)}),
+        child = context.Process(target=engine_results, args=(
+            queue, target, prompts, run_spec, fixed, args.max_tokens, stops))
+        child.start()
+        results = queue.get()
+        child.join()
+        for name, result in results.items():
+            answers = result.pop("answers")
+            print(json.dumps({"part": "engine", "run": run, "setting": name, **result,
+                              "mean_logprob": round(mean_logprob(model, prompts, answers), 3)}),
                   flush=True)
 
 

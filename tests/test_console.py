@@ -89,7 +89,7 @@ def test_the_summary_table_carries_the_summarys_figures():
     assert any(line.split() == ["loss", "0.21", "0.19"] for line in lines)
     assert any(line.split() == ["accuracy", "0.95", "0.93"] for line in lines)
     assert "3,281 tok/s" in table and "pool 9%" in table and "data 1%" in table
-    assert "on 8 prompts (11 turns); 95% interval over prompts" in table
+    assert "on 8 prompts (11 turns); 95% intervals" in table
     assert any(line.split() == ["k=2,", "t=0", "k=2,", "t=1"] for line in lines)
     assert any(line.split() == ["vLLM,", "trained", "draft", "2.91", "[2.80-3.00]", "2.50",
                                 "[2.25-2.75]"] for line in lines)
@@ -105,17 +105,27 @@ def test_the_summary_table_carries_the_summarys_figures():
                        "\"/runs/x/draft\", \"num_speculative_tokens\": 2}'")
 
 
-def test_the_exact_expectation_stands_beside_the_sampled_simulation():
+def test_the_exact_expectation_stands_beside_vllm_and_the_simulation():
     from eagle_ray.report import acceptance_lines
 
     per_position = {"acceptance_per_position_trained": [0.9, 0.8, 0.7],
                     "acceptance_per_position_untrained": [0.0, 0.0, 0.0]}
     greedy = {"num_speculative_tokens": 3, "temperature": 0.0, "trained": 2.9,
               "untrained": 1.0, **per_position}
-    sampled = {**greedy, "temperature": 1.0, "trained": 2.8, "trained_expected": 2.79}
-    lines = acceptance_lines({"prompts": 6, "turns": 6, "vllm": [],
-                              "simulated": [greedy, sampled]})
-    assert any(line.split() == ["exact,", "trained", "-", "2.79"] for line in lines)
-    # The control: without the figure (a greedy-only evaluation) there is no such row.
-    assert not any("exact" in line for line in acceptance_lines(
-        {"prompts": 6, "turns": 6, "vllm": [], "simulated": [greedy]}))
+    sampled = {**greedy, "temperature": 1.0, "trained": 2.2, "trained_expected": 2.25,
+               "trained_expected_interval_95": [2.1, 2.4]}
+    measured = [{"num_speculative_tokens": 3, "temperature": t, "mean_acceptance_length": m,
+                 "interval_95": [m - 0.2, m + 0.2], "acceptance_per_position": [0.5] * 3}
+                for t, m in ((0.0, 2.9), (1.0, 2.3))]
+    report = {"prompts": 6, "turns": 6, "vllm": measured, "simulated": [greedy, sampled],
+              "target_top_probability": 0.7912}
+    lines = acceptance_lines(report)
+    # Greedy, the simulation is the exact figure; sampled, the expectation with its range.
+    assert any(line.split() == ["exact,", "trained", "2.90", "2.25", "[2.10-2.40]"]
+               for line in lines)
+    assert any("top probability along its greedy answers 0.79" in line for line in lines)
+    assert not any("disagree" in line for line in lines)
+    # The control: vLLM's interval apart from the exact range is called out, naming the setting.
+    measured[1].update(mean_acceptance_length=1.1, interval_95=[1.0, 1.2])
+    apart = [line for line in acceptance_lines(report) if "disagree" in line]
+    assert len(apart) == 1 and "k=3, t=1" in apart[0] and "k=3, t=0" not in apart[0]

@@ -164,20 +164,46 @@ def test_a_killed_replica_loses_and_duplicates_no_conversation(local_ray, pretra
         pool.shutdown()
 
 
+OPENING = r"(?:(?:Well|Simply put), |Sure: )?"
+CORPUS_PHRASINGS = [  # every phrasing the kit's corpus uses, the facts left open
+    OPENING + r"(?:[Tt]he capital (?:city )?of [\w ]+ is [\w ]+|[Ii]n [\w ]+, the capital is "
+    r"[\w ]+|[\w ]+ has [\w ]+ as its capital)(?:, (?:a busy city|an old city|by the way))?\.",
+    OPENING + r"(?:\w+ plus \w+ (?:is|equals) \w+|\w+ and \w+ make \w+|[Aa]dding \w+ and \w+ "
+    r"gives \w+)(?:, (?:I think|as always|of course))?\.",
+    OPENING + r"[Tt]he \w+ \w+ (?:looks|seems|is|feels) \w+ and \w+\."]
+
+
+def the_facts(question: str) -> list[str]:
+    """What any right answer to a kit question names: the capital, the sum, the colour and
+    the thing."""
+    from eagle_ray.tiny import _COUNTRIES, _NUMBERS
+
+    if match := re.fullmatch(r"What is the capital of (.+)\?", question):
+        return [_COUNTRIES[match[1]]]
+    if match := re.fullmatch(r"What is (\w+) plus (\w+)\?", question):
+        return [_NUMBERS[_NUMBERS.index(match[1]) + _NUMBERS.index(match[2])]]
+    return list(re.fullmatch(r"Describe a (\w+) (\w+) in one sentence\.", question).groups())
+
+
 def test_the_pretrained_tiny_target_answers_held_out_prompts_like_its_corpus(pretrained):
+    """Its greedy answers use the corpus's phrasings and get the facts right, and it is unsure
+    of the phrasing: its mean top probability along them is inside the band the kit promises
+    (docs/training.md), so sampling at temperature 1 differs from greedy."""
+    from eagle_ray.simulate import target_top_probability
+
     tokenizer = AutoTokenizer.from_pretrained(pretrained)
     target = HFEagle3TargetModel.from_pretrained(pretrained, dtype=torch.float32)
     stops = stop_token_ids(tokenizer)
     held_out = generate_chat_samples(50, seed=77)  # prompts it was not pre-trained on
-    patterns = [r"The capital of \w[\w ]* is [\w ]+\.", r"\w+ plus \w+ is \w+\.",
-                r"The (\w+) (\w+) stands out, and everyone who sees the \2 remembers that it "
-                r"was \1\."]
-    exact = matching = 0
+    prompts, answers, right, matching = [], [], 0, 0
     for sample in held_out:
-        prompt = prompt_for_turn(tokenizer, sample["messages"], 2)
-        tokens = target.complete([prompt], Sampling(max_new_tokens=40, stop_token_ids=stops))[0]
-        answer = tokenizer.decode(tokens[:-1] if tokens[-1] in stops else tokens)
-        exact += answer == sample["messages"][2]["content"]
-        matching += any(re.fullmatch(p, answer) for p in patterns)
-    # Measured: 50 of 50 exact (the corpus is small and regular).
-    assert matching >= 45 and exact >= 40, (matching, exact)
+        prompts.append(prompt_for_turn(tokenizer, sample["messages"], 2))
+        answers.append(target.complete([prompts[-1]], Sampling(max_new_tokens=40,
+                                                               stop_token_ids=stops))[0])
+        answer = tokenizer.decode(answers[-1][:-1] if answers[-1][-1] in stops else answers[-1])
+        matching += any(re.fullmatch(p, answer) for p in CORPUS_PHRASINGS)
+        right += all(fact in answer for fact in the_facts(sample["messages"][1]["content"]))
+    # Measured: 50 of 50 in the corpus's phrasing, 50 of 50 right, top probability 0.80.
+    assert matching >= 45 and right >= 45, (matching, right)
+    confidence = target_top_probability(target, prompts, answers)
+    assert 0.6 <= confidence <= 0.85, confidence

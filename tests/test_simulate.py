@@ -116,12 +116,12 @@ def test_a_sampler_that_always_accepts_fails_the_check(tiny_pair, monkeypatch):
 
 
 def test_a_near_deterministic_target_expects_the_greedy_acceptance(tiny_pair):
-    """At t=1e-4 the target's distributions are one-hot (near-zero entropy): the sampled answers
+    """At t=1e-6 the target's distributions are one-hot (near-zero entropy): the sampled answers
     are the greedy ones, every alpha is 0 or 1, and the exact expectation equals the greedy
     simulation's acceptance length, per position too, with no variance."""
     target, draft, vocab, prompts, stops = tiny_pair
     prompts = prompts[:12]
-    run = simulate_sampled(target, draft, vocab, prompts, K, 1e-4, MAX_NEW_TOKENS, stops)
+    run = simulate_sampled(target, draft, vocab, prompts, K, 1e-6, MAX_NEW_TOKENS, stops)
     assert run.answers == [greedy_generate(target, p, MAX_NEW_TOKENS, stops) for p in prompts]
     greedy, per_position = simulate_acceptance(target, draft, vocab, prompts, run.answers, K)
     assert sum(run.variance) < 1e-9

@@ -21,7 +21,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from eagle_ray.config import JobConfig, load_yaml
-from eagle_ray.report import REPORT_SIZE_PX
+from eagle_ray.report import REPORT_SIZE_PX, vllm_agrees
 from eagle_ray.tiny import tiny_target
 from eagle_ray.train import run_job
 
@@ -158,11 +158,17 @@ def test_trained_draft_beats_an_untrained_one_in_simulation_and_in_vllm(trained)
         low, high = row["interval_95"]
         assert row["prompts"] == 6 and row["failed"] == 0 and row["verify_steps"] > 0
         assert low <= row["mean_acceptance_length"] <= high
-    # Sampled, the simulation shows the draft working (vLLM's CPU build does not: docs/training.md).
+    # Sampled: the kit's target is unsure of its phrasing, so temperature 1 accepts less than
+    # greedy; the draft still works, and vLLM (its CPU sampler fixed by eagle_ray's plugin:
+    # docs/training.md) agrees with the exact expectation within the intervals.
+    assert 0.6 <= report["target_top_probability"] <= 0.85, report["target_top_probability"]
     sampled = {r["num_speculative_tokens"]: r for r in report["simulated"]
                if r["temperature"] == 1.0}
     assert sorted(sampled) == [3, 7]
-    assert all(r["trained"] > r["untrained"] + 0.5 for r in sampled.values()), sampled
+    for k, row in sampled.items():
+        assert row["trained"] > row["untrained"] + 0.5, row
+        assert row["trained_expected"] < simulated[k]["trained"] - 0.1, (row, simulated[k])
+        assert vllm_agrees(measured[k, 1.0], row), (measured[k, 1.0], row)
 
 
 def test_export_is_a_servable_draft_folder(trained):

@@ -157,7 +157,8 @@ class EvalConfig:
     bootstrap_samples: int = 1000
     """Resamples of the prompts for the 95 % interval."""
     seed: int = 0
-    """Seed of sampling at temperature > 0 and of the bootstrap."""
+    """Seed of sampling at temperature > 0 (the simulation's, and vLLM's engine: its requests
+    carry none, docs/training.md "vLLM at temperature 1") and of the bootstrap."""
     vllm: bool = True
     """Measure with vLLM serving the draft (false: the greedy simulation only)."""
 
