@@ -1,9 +1,10 @@
-"""Which target layers EAGLE-3 reads, in one convention, and their translation for vLLM.
+"""Which target layers a draft reads, in one convention, and their translation for vLLM.
 
 Canonical ids are *post-layer*: id `k` is the residual stream after decoder layer `k` (HF
 `output_hidden_states[k + 1]`). vLLM's `extract_hidden_states` speaks *pre-layer* ids; the
 translation lives here once, so capture and export can never disagree (docs/contract.md,
-"Aux layer ids").
+"Aux layer ids"). The backends capture any number N >= 1 of layers (a DFlash draft conditions
+on several); an EAGLE-3 draft reads exactly three (`validate_eagle3_aux_layer_ids`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from eagle_ray.target_batch import NUM_AUX_LAYERS
 
 class AuxLayerIds(list):
     """Aux layer ids already checked for a target of `num_layers` layers: what
-    `validate_eagle3_aux_layer_ids` returns, so a backend's later steps (vLLM's capture ids, the
-    base class) do not check them again."""
+    `validate_aux_layer_ids` returns, so a backend's later steps (vLLM's capture ids, the base
+    class) do not check them again."""
 
     def __init__(self, ids: Sequence[int], num_layers: int) -> None:
         super().__init__(ids)
@@ -38,21 +39,29 @@ def default_eagle3_aux_layer_ids(num_layers: int) -> list[int]:
     return AuxLayerIds(ids, num_layers)
 
 
-def validate_eagle3_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
-    """Check canonical (post-layer) aux ids: three distinct ints in `[0, N)`, ascending (ids
-    checked before for the same `num_layers` pass through)."""
+def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    """Check canonical (post-layer) aux ids: one or more distinct ints in `[0, N)`, ascending
+    (ids checked before for the same `num_layers` pass through)."""
     if isinstance(ids, AuxLayerIds) and ids.num_layers == num_layers:
         return ids
     return AuxLayerIds(_check_ids(list(ids), num_layers), num_layers)
 
 
-def _check_ids(ids: list[int], num_layers: int) -> list[int]:
+def validate_eagle3_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    """`validate_aux_layer_ids`, and exactly three of them: what an EAGLE-3 draft reads."""
     if len(ids) != NUM_AUX_LAYERS:
         raise ValueError(
-            f"EAGLE-3 needs exactly {NUM_AUX_LAYERS} aux layer ids, got {len(ids)}: {ids}; "
-            f"pass three (the default for this target is "
+            f"EAGLE-3 needs exactly {NUM_AUX_LAYERS} aux layer ids, got {len(ids)}: "
+            f"{list(ids)}; pass three (the default for this target is "
             f"{_default_or_none(num_layers)})"
         )
+    return validate_aux_layer_ids(ids, num_layers)
+
+
+def _check_ids(ids: list[int], num_layers: int) -> list[int]:
+    if not ids:
+        raise ValueError(f"aux layer ids must name at least one layer, got []; the EAGLE-3 "
+                         f"default for this target is {_default_or_none(num_layers)}")
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise TypeError(f"aux layer ids must be ints, got {ids!r}")
     if len(set(ids)) != len(ids):
@@ -73,11 +82,18 @@ def _check_ids(ids: list[int], num_layers: int) -> list[int]:
 
 
 def resolve_eagle3_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> list[int]:
-    """The given ids validated, or the default ones when `ids` is None (what every backend does
-    before it builds its engine)."""
+    """The given ids validated for EAGLE-3 (three), or its default ones when `ids` is None."""
     if ids is None:
         return default_eagle3_aux_layer_ids(num_layers)
     return validate_eagle3_aux_layer_ids(ids, num_layers)
+
+
+def resolve_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> list[int]:
+    """What every backend does before it builds its engine: the given ids (any number)
+    validated, or EAGLE-3's default ones when `ids` is None."""
+    if ids is None:
+        return default_eagle3_aux_layer_ids(num_layers)
+    return validate_aux_layer_ids(ids, num_layers)
 
 
 def _default_or_none(num_layers: int) -> list[int] | None:
@@ -94,7 +110,7 @@ def vllm_capture_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> lis
     is the final hidden state before the final norm (our `last_hidden`). Canonical `N - 1` would be
     captured twice under one id, which vLLM deduplicates, so it is refused.
     """
-    ids = validate_eagle3_aux_layer_ids(aux_layer_ids, num_layers)
+    ids = validate_aux_layer_ids(aux_layer_ids, num_layers)
     if num_layers - 1 in ids:
         raise ValueError(
             f"aux layer id {num_layers - 1} (the last decoder layer) collides with the final "

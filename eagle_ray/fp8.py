@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from eagle_ray.devices import to_device
-from eagle_ray.target_batch import NUM_AUX_LAYERS, Eagle3TargetBatch
+from eagle_ray.target_batch import Eagle3TargetBatch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -60,7 +60,7 @@ def encode_batch(batch: Eagle3TargetBatch, encoding_dtype: str
     layer), quantised where the batch is (on the engine's device, before the copy), every other
     field as it is (scales None); `dtype` is the field's own (what decoding restores). What the
     object store and a supervision cache hold alike."""
-    hidden = batch.aux_hidden_states.shape[-1] // NUM_AUX_LAYERS
+    hidden = batch.hidden_size
     encoded: dict[str, torch.Tensor] = {}
     for name, tensor in batch.tensors().items():
         if encoding_dtype == "fp8" and name in QUANTISED_FIELDS:

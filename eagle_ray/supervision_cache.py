@@ -163,7 +163,7 @@ class SupervisionCache:
                 tensor = dequantize_fp8(tensor, reader.get_tensor(f"{name}.scale"),
                                         getattr(torch, self.index["hidden_dtype"]))
             tensors[field] = tensor
-        return Eagle3TargetBatch(**tensors)
+        return Eagle3TargetBatch(**tensors, num_aux_layers=len(self.identity.aux_layer_ids))
 
     def stream(self, rank: int = 0, world: int = 1, seed: int = 0) -> Iterator[Eagle3TargetBatch]:
         """Worker `rank` of `world`'s micro-batches (every `world`-th), epoch after epoch, each

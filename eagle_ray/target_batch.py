@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-NUM_AUX_LAYERS = 3  # EAGLE-3 reads three target layers: low, middle, high
+NUM_AUX_LAYERS = 3  # EAGLE-3 reads three target layers: low, middle, high (the default)
 Encoding = Literal["logits", "last_hidden", "target_probs"]
 ENCODINGS: tuple[str, ...] = ("logits", "last_hidden", "target_probs")
 
@@ -22,10 +22,11 @@ ENCODINGS: tuple[str, ...] = ("logits", "last_hidden", "target_probs")
 class Eagle3TargetBatch:
     """Supervision for one micro-batch, already shifted (docs/contract.md, "Shift").
 
-    Shapes: `aux_hidden_states [B, S, 3H]`; `input_ids`, `attention_mask`, `loss_mask [B, S]`;
-    exactly one target encoding: `logits [B, S, V]`, `last_hidden [B, S, H]` (pre-norm; apply
-    the `TargetHead`), or `target_probs [B, S, V_draft]` with `position_mask [B, S]`.
-    Slots without a next position (padding, each row's last token) hold zeros.
+    Shapes: `aux_hidden_states [B, S, N*H]` (the `num_aux_layers` = N captured layers,
+    ascending); `input_ids`, `attention_mask`, `loss_mask [B, S]`; exactly one target encoding:
+    `logits [B, S, V]`, `last_hidden [B, S, H]` (pre-norm; apply the `TargetHead`), or
+    `target_probs [B, S, V_draft]` with `position_mask [B, S]`. Slots without a next position
+    (padding, each row's last token) hold zeros.
     """
 
     aux_hidden_states: torch.Tensor
@@ -36,6 +37,7 @@ class Eagle3TargetBatch:
     last_hidden: torch.Tensor | None = None
     target_probs: torch.Tensor | None = None
     position_mask: torch.Tensor | None = None
+    num_aux_layers: int = dataclasses.field(default=NUM_AUX_LAYERS, kw_only=True)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -48,28 +50,41 @@ class Eagle3TargetBatch:
         raise AssertionError("unreachable: validated on construction")
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The fields that are set, by name (what a transport moves)."""
+        """The tensor fields that are set, by name (what a transport moves; `num_aux_layers`
+        travels beside them)."""
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if getattr(self, f.name) is not None
+            if isinstance(getattr(self, f.name), torch.Tensor)
         }
+
+    def with_tensors(self, **tensors: torch.Tensor) -> Eagle3TargetBatch:
+        """A batch of the same aux layer count holding `tensors` (validated again)."""
+        return Eagle3TargetBatch(**tensors, num_aux_layers=self.num_aux_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        """H: the width of one captured layer."""
+        return self.aux_hidden_states.shape[-1] // self.num_aux_layers
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def to(self, device: torch.device | str) -> Eagle3TargetBatch:
-        return Eagle3TargetBatch(**{k: v.to(device) for k, v in self.tensors().items()})
+        return self.with_tensors(**{k: v.to(device) for k, v in self.tensors().items()})
 
     def _validate(self) -> None:
         aux = self.aux_hidden_states
+        layers = self.num_aux_layers
+        _require(isinstance(layers, int) and layers >= 1, "num_aux_layers",
+                 f"a positive int, got {layers!r}")
         _require(aux.dim() == 3 and aux.is_floating_point(), "aux_hidden_states",
-                 f"a float tensor [B, S, 3H], got {_describe(aux)}")
+                 f"a float tensor [B, S, {layers}H], got {_describe(aux)}")
         batch, seq, width = aux.shape
-        _require(width % NUM_AUX_LAYERS == 0, "aux_hidden_states",
-                 f"a last dimension divisible by {NUM_AUX_LAYERS}, got {width}")
-        hidden = width // NUM_AUX_LAYERS
+        _require(width % layers == 0 and width > 0, "aux_hidden_states",
+                 f"a last dimension of {layers} (num_aux_layers) x the hidden size, got {width}")
+        hidden = width // layers
         for name in ("input_ids", "attention_mask", "loss_mask"):
             t = getattr(self, name)
             _require(t.shape == (batch, seq) and not t.is_floating_point(), name,
@@ -87,7 +102,8 @@ class Eagle3TargetBatch:
                  f"a float tensor [{batch}, {seq}, ...], got {_describe(value)}")
         if encoding == "last_hidden":
             _require(value.shape[2] == hidden, "last_hidden",
-                     f"hidden size {hidden} (a third of aux_hidden_states), got {value.shape[2]}")
+                     f"hidden size {hidden} (aux_hidden_states' width / {layers} aux layers), "
+                     f"got {value.shape[2]}")
         if encoding == "target_probs":
             pm = self.position_mask
             _require(pm is not None and pm.shape == (batch, seq) and pm.dtype == torch.bool,

@@ -52,7 +52,7 @@ class DevicePrefetcher:
     def __next__(self) -> tuple[Eagle3TargetBatch, Eagle3TargetBatch]:
         host, copies = self._ahead or self._start_copy(next(self.batches))
         self._ahead = None
-        device = Eagle3TargetBatch(**dict(zip(host.tensors(), copies.result(), strict=True)))
+        device = host.with_tensors(**dict(zip(host.tensors(), copies.result(), strict=True)))
         try:
             self._ahead = self._start_copy(next(self.batches))
         except StopIteration:

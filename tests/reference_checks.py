@@ -8,6 +8,7 @@ FP32_ATOL = 5e-5
 
 def assert_matches_reference(batch, reference, head, atol=FP32_ATOL):
     assert batch.aux_hidden_states.dtype == reference.aux_hidden_states.dtype
+    assert batch.num_aux_layers == reference.num_aux_layers
     for name in ("input_ids", "attention_mask", "loss_mask"):
         assert torch.equal(batch.tensors()[name], reference.tensors()[name]), name
     torch.testing.assert_close(batch.aux_hidden_states, reference.aux_hidden_states,

@@ -40,16 +40,20 @@ def test_the_llama_engine_under_test_is_compiled(vllm_llama):
     assert config.mode is not CompilationMode.NONE, config.mode
 
 
+FIVE_AUX_LAYERS = [0, 1, 3, 4, 5]  # more than EAGLE-3's three, as a DFlash draft reads
+
+
 @pytest.fixture(scope="module")
 def padded_qwen3(family_checkpoints):
     """The Qwen3-shaped checkpoint (vocabulary padded past its tokenizer) on a multiprocess engine
-    (shared-memory hand-off) that splits prompts into 64-token prefill chunks, and its HF
-    reference."""
+    (shared-memory hand-off) that splits prompts into 64-token prefill chunks, capturing five
+    aux layers, and its HF reference on the same layers."""
     path = family_checkpoints["qwen3"]
     target = VLLMEagle3TargetModel.from_pretrained(
-        path, dtype="float32", multiprocess=True,
+        path, aux_layer_ids=FIVE_AUX_LAYERS, dtype="float32", multiprocess=True,
         vllm_kwargs={"max_num_batched_tokens": 64, "max_num_seqs": 8})
-    yield target, HFEagle3TargetModel.from_pretrained(path, dtype=torch.float32)
+    yield target, HFEagle3TargetModel.from_pretrained(path, aux_layer_ids=FIVE_AUX_LAYERS,
+                                                      dtype=torch.float32)
     target.shutdown()
 
 
@@ -67,8 +71,11 @@ def test_padded_vocabulary_qwen3_equals_hf(padded_qwen3, family_checkpoints):
     assert target.vocab_size == 1088 > tokenizer_size
     batch_args = random_micro_batch(target.vocab_size, (12, 40, 7), seed=5)
     assert int(batch_args[0].max()) >= tokenizer_size, "ids in the padded range are served too"
-    assert_matches_reference(target.generate_batch(*batch_args),
-                             reference.generate_batch(*batch_args), reference.get_target_head())
+    batch = target.generate_batch(*batch_args)
+    assert batch.num_aux_layers == len(FIVE_AUX_LAYERS) == 5  # every slot compared below
+    assert batch.aux_hidden_states.shape[-1] == 5 * batch.last_hidden.shape[-1]
+    assert_matches_reference(batch, reference.generate_batch(*batch_args),
+                             reference.get_target_head())
 
 
 def test_rows_longer_than_a_prefill_chunk_equal_hf(padded_qwen3):
@@ -113,7 +120,7 @@ def test_embedding_and_head_come_from_the_checkpoint(vllm_llama, hf_llama):
     assert torch.equal(head.norm.weight, reference.norm.weight)
 
 
-def test_tensor_parallel_two_with_explicit_aux_ids_equals_hf_and_sweeps_a_killed_ring(
+def test_tensor_parallel_two_with_one_aux_layer_equals_hf_and_sweeps_a_killed_ring(
         llama_path, hf_llama):
     def ours():  # vLLM and torch keep their own entries there too
         return {name for name in os.listdir(SHM_DIR) if name.startswith("eagle_ray-")}
@@ -125,11 +132,12 @@ def test_tensor_parallel_two_with_explicit_aux_ids_equals_hf_and_sweeps_a_killed
                     "os.kill(os.getpid(), 9)"], check=False)
     assert len(ours() - before) == 1
     # ... and the next engine on the machine sweeps it.
-    target = VLLMEagle3TargetModel.from_pretrained(llama_path, aux_layer_ids=[0, 2, 5],
+    target = VLLMEagle3TargetModel.from_pretrained(llama_path, aux_layer_ids=[2],
                                                    dtype="float32", tp_size=2)
     assert ours() - before == {ring_name(target.runner.key_prefix)}
     try:
-        reference_backend = HFEagle3TargetModel(hf_llama.model, aux_layer_ids=[0, 2, 5])
+        # One aux layer (the fewest a draft can read), captured through both ranks.
+        reference_backend = HFEagle3TargetModel(hf_llama.model, aux_layer_ids=[2])
         batch_args = random_micro_batch(target.vocab_size, (18, 6, 29))
         assert_matches_reference(target.generate_batch(*batch_args),
                                  reference_backend.generate_batch(*batch_args),

@@ -29,6 +29,7 @@ from torch import nn
 from eagle_ray.aux_layers import (
     default_eagle3_aux_layer_ids,
     resolve_eagle3_aux_layer_ids,
+    validate_aux_layer_ids,
     validate_eagle3_aux_layer_ids,
     vllm_capture_layer_ids,
 )
@@ -51,7 +52,8 @@ __all__ = [
     "RunnerOutput", "Sampling", "SelfCheckError", "TargetRunner", "check_greedy_tokens",
     "greedy_shortfall", "refused_rows",
     "default_eagle3_aux_layer_ids", "next_position_mask", "resolve_eagle3_aux_layer_ids",
-    "shift_supervision", "validate_eagle3_aux_layer_ids", "validate_micro_batch",
+    "shift_supervision", "validate_aux_layer_ids", "validate_eagle3_aux_layer_ids",
+    "validate_micro_batch",
     "validate_prompts",
     "vllm_capture_layer_ids",
 ]
@@ -63,12 +65,12 @@ class RunnerOutput:
     (`aux_hidden_states`, `last_hidden`; values at pad positions are ignored), or `rows` as an
     engine captured them, unpadded (vLLM: each request's states arrive on their own)."""
 
-    aux_hidden_states: torch.Tensor | None = None  # [B, S, 3H], ascending layer order
+    aux_hidden_states: torch.Tensor | None = None  # [B, S, N*H], ascending layer order
     last_hidden: torch.Tensor | None = None  # [B, S, H], final hidden state before the final norm
     # [B] the engine's own greedy next token after each row, when it samples one (vLLM does);
     # the base checks it against the head applied to the final state (the self-check).
     next_token_ids: torch.Tensor | None = None
-    # per row [n_i, 4, H]: the three aux layers (ascending), then the final pre-norm state
+    # per row [n_i, N + 1, H]: the N aux layers (ascending), then the final pre-norm state
     rows: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
@@ -88,8 +90,8 @@ class RunnerOutput:
         if self.rows is not None:
             got = [list(r.shape) for r in self.rows]
             if len(got) == batch and all(
-                    r.dim() == 3 and r.shape[1] == NUM_AUX_LAYERS + 1 and r.shape[0] <= seq
-                    for r in self.rows):
+                    r.dim() == 3 and r.shape[1] == self.rows[0].shape[1] >= 2
+                    and r.shape[0] <= seq for r in self.rows):
                 return
         else:
             got = [list(self.aux_hidden_states.shape), list(self.last_hidden.shape)]
@@ -103,7 +105,7 @@ class RunnerOutput:
         """`[B, H]`: each row's final pre-norm state at its last position (what the
         self-check decodes)."""
         if self.rows is not None:
-            return torch.stack([r[-1, NUM_AUX_LAYERS] for r in self.rows])
+            return torch.stack([r[-1, -1] for r in self.rows])
         last_position = (attention_mask.sum(dim=1) - 1).view(-1, 1, 1)
         hidden = self.last_hidden.shape[-1]
         return self.last_hidden.gather(1, last_position.expand(-1, 1, hidden)).squeeze(1)
@@ -192,7 +194,7 @@ class RunnerEagle3TargetModel:
         self.self_check = self_check
         self.num_hidden_layers = num_hidden_layers
         self.vocab_size = vocab_size
-        self._aux_layer_ids = validate_eagle3_aux_layer_ids(aux_layer_ids, num_hidden_layers)
+        self._aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, num_hidden_layers)
         self._embedding = embedding
         self._head = head
         self.max_length = max_length
@@ -278,8 +280,10 @@ class RunnerEagle3TargetModel:
         fields = out.shifted(input_ids, attention_mask, loss_mask, self._host_buffers)
         last_hidden = fields.pop("last_hidden")
         device = self.device if device is None else torch.device(device)
+        layers = len(self._aux_layer_ids)
         if encoding == "last_hidden":
-            return Eagle3TargetBatch(**to_device({**fields, "last_hidden": last_hidden}, device))
+            return Eagle3TargetBatch(**to_device({**fields, "last_hidden": last_hidden}, device),
+                                     num_aux_layers=layers)
         # Head-derived encodings are decoded on the head's device, a chunk of tokens at a time,
         # straight into their place on `device`.
         has_next = next_position_mask(attention_mask).to(device).unsqueeze(-1)
@@ -287,13 +291,14 @@ class RunnerEagle3TargetModel:
         fields = to_device(fields, device)
         if encoding == "logits":
             logits = head_logits(last_hidden, self._head, device).masked_fill_(no_next, 0)
-            return Eagle3TargetBatch(**fields, logits=logits)
+            return Eagle3TargetBatch(**fields, logits=logits, num_aux_layers=layers)
         probs, position_mask = draft_target_from_hidden(last_hidden, self._head,
                                                         self.draft_vocab, device)
         return Eagle3TargetBatch(
             **fields,
             target_probs=probs.masked_fill_(no_next, 0),
             position_mask=position_mask & has_next.squeeze(-1),
+            num_aux_layers=layers,
         )
 
     def shutdown(self) -> None:

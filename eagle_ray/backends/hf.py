@@ -1,7 +1,7 @@
 """The co-located transformers target: the numerical reference for every other backend.
 
 It runs the HF model's decoder stack (not its `lm_head`: the head is applied only when an encoding
-asks for it) and captures the aux layers with forward hooks, so nothing but the three aux states
+asks for it) and captures the aux layers with forward hooks, so nothing but the aux states
 and the pre-norm last hidden state is kept.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from eagle_ray.aux_layers import resolve_eagle3_aux_layer_ids
+from eagle_ray.aux_layers import resolve_aux_layer_ids
 from eagle_ray.backends.base import (
     RunnerEagle3TargetModel,
     RunnerOutput,
@@ -111,7 +111,7 @@ class HFEagle3TargetModel(RunnerEagle3TargetModel):
                  encoding: Encoding = "last_hidden", draft_vocab: DraftVocab | None = None) -> None:
         config = model.config.get_text_config()
         num_layers = config.num_hidden_layers
-        aux_layer_ids = resolve_eagle3_aux_layer_ids(aux_layer_ids, num_layers)
+        aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, num_layers)
         self.model = model
         super().__init__(
             HFTargetRunner(model, aux_layer_ids),
@@ -141,7 +141,8 @@ class HFEagle3TargetModel(RunnerEagle3TargetModel):
 
         Args:
             model_path: a local HF checkpoint folder (or a hub id where a hub is reachable).
-            aux_layer_ids: three canonical (post-layer) ids; None: `[1, N//2 - 1, N - 4]`.
+            aux_layer_ids: canonical (post-layer) ids, one or more (EAGLE-3 reads three);
+                None: `[1, N//2 - 1, N - 4]`.
             dtype: a torch dtype or its name ("bfloat16", "float32"); None or "auto": the
                 checkpoint's own.
             device: where the model runs (e.g. "cuda"); None: where transformers loads it.

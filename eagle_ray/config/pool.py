@@ -60,7 +60,8 @@ class PoolConfig:
     dtype: str = "auto"
     """`auto`, `bfloat16`, `float16` or `float32`."""
     aux_layer_ids: list[int] | None = None
-    """Canonical (post-layer) aux ids; None: `[1, N//2-1, N-4]` (docs/contract.md)."""
+    """Canonical (post-layer) aux ids, one or more (an EAGLE-3 job needs three); None:
+    `[1, N//2-1, N-4]` (docs/contract.md)."""
     encoding: Literal["last_hidden", "logits"] = "last_hidden"
     """What a replica returns besides the aux states: the last hidden state (the trainer applies
     the target's head) or logits."""

@@ -348,7 +348,7 @@ class SupervisionRows:
             raise KeyError(f"no supervision row {key!r} in {self.path}")
         tensors = {name: t.unsqueeze(0) for name, t in load_file(str(file)).items()}
         tensors["attention_mask"] = torch.ones_like(tensors["input_ids"])
-        return Eagle3TargetBatch(**tensors)
+        return Eagle3TargetBatch(**tensors, num_aux_layers=len(self.identity.aux_layer_ids))
 
 
 def _claim(folder: Path, served: TargetIdentity) -> None:

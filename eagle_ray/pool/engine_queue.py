@@ -235,7 +235,7 @@ def split_batch(batch: Eagle3TargetBatch, parts: list[MicroBatch]) -> list[Eagle
     out, row = [], 0
     for ids, _, _ in parts:
         rows, seq = ids.shape
-        out.append(Eagle3TargetBatch(**{name: t[row:row + rows, :seq]
-                                        for name, t in batch.tensors().items()}))
+        out.append(batch.with_tensors(**{name: t[row:row + rows, :seq]
+                                         for name, t in batch.tensors().items()}))
         row += rows
     return out

@@ -11,6 +11,7 @@ Tensors read back are views of read-only object-store memory: clone before writi
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import ray
@@ -25,6 +26,7 @@ INLINE_INPUT_BYTES = 64 * 1024
 _VIEW_AS = {torch.bfloat16: torch.int16, FP8: torch.uint8}
 # {field: (array, torch dtype name)}, or (e4m3 bytes, dtype to restore, fp32 scales) for fp8.
 Payload = dict[str, tuple]
+LAYERS_KEY = "num_aux_layers"  # the payload's one entry that is no tensor
 
 
 def pack_inputs(*tensors: torch.Tensor) -> tuple[np.ndarray, ...] | ray.ObjectRef:
@@ -38,19 +40,23 @@ def pack_inputs(*tensors: torch.Tensor) -> tuple[np.ndarray, ...] | ray.ObjectRe
 
 
 def batch_to_numpy(batch: Eagle3TargetBatch, encoding_dtype: str = "auto") -> Payload:
-    """Every set field as numpy; no copy for CPU tensors, unless quantised to fp8."""
-    return {name: (_to_numpy(values), _dtype_name(dtype)) if scales is None
-            else (_to_numpy(values), _dtype_name(dtype), scales.numpy())
-            for name, values, scales, dtype in encode_batch(batch, encoding_dtype)}
+    """Every set field as numpy; no copy for CPU tensors, unless quantised to fp8; and the
+    aux layer count (`LAYERS_KEY`)."""
+    payload: Payload = {name: (_to_numpy(values), _dtype_name(dtype)) if scales is None
+                        else (_to_numpy(values), _dtype_name(dtype), scales.numpy())
+                        for name, values, scales, dtype in encode_batch(batch, encoding_dtype)}
+    payload[LAYERS_KEY] = (batch.num_aux_layers,)
+    return payload
 
 
 def batch_from_numpy(payload: Payload) -> Eagle3TargetBatch:
     """Inverse of `batch_to_numpy`; zero-copy views where the arrays allow it."""
     tensors = {}
+    (layers,) = payload[LAYERS_KEY]
     with warnings.catch_warnings():
         # Object-store arrays are read-only; torch warns that writes would be undefined.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for name, (array, dtype_name, *scales) in payload.items():
+        for name, (array, dtype_name, *scales) in _fields(payload):
             dtype = getattr(torch, dtype_name)
             if scales:
                 tensors[name] = dequantize_fp8(torch.from_numpy(array).view(FP8),
@@ -58,7 +64,11 @@ def batch_from_numpy(payload: Payload) -> Eagle3TargetBatch:
                 continue
             tensor = torch.from_numpy(array)
             tensors[name] = tensor.view(dtype) if tensor.dtype != dtype else tensor
-    return Eagle3TargetBatch(**tensors)
+    return Eagle3TargetBatch(**tensors, num_aux_layers=layers)
+
+
+def _fields(payload: Payload) -> Iterator[tuple[str, tuple]]:
+    return ((name, entry) for name, entry in payload.items() if name != LAYERS_KEY)
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -118,8 +118,8 @@ def build_llm(engine_kwargs: dict[str, Any], multiprocess: bool,
 class VLLMTargetRunner(TargetRunner):
     """Owns one vLLM engine that captures hidden states; see the module docstring.
 
-    `capture_ids` are vLLM's pre-layer ids (`vllm_capture_layer_ids`): the first three are the
-    aux layers, the last is the final pre-norm hidden state. Options:
+    `capture_ids` are vLLM's pre-layer ids (`vllm_capture_layer_ids`): the aux layers, then
+    the final pre-norm hidden state. Options:
 
     - `multiprocess`: run the engine core in its own process; None: only when `tp_size > 1` (an
       in-process engine starts about 5x faster and hands states over through a dictionary, but

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from eagle_ray.aux_layers import resolve_eagle3_aux_layer_ids, vllm_capture_layer_ids
+from eagle_ray.aux_layers import resolve_aux_layer_ids, vllm_capture_layer_ids
 from eagle_ray.backends.base import RunnerEagle3TargetModel
 from eagle_ray.backends.vllm.runner import VLLMTargetRunner
 from eagle_ray.checkpoint import load_embedding_and_head, resolve_dtype
@@ -57,7 +57,8 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
 
         Args:
             model_path: a local HF checkpoint folder with safetensors weights.
-            aux_layer_ids: three canonical (post-layer) ids; None: `[1, N//2 - 1, N - 4]`.
+            aux_layer_ids: canonical (post-layer) ids, one or more (EAGLE-3 reads three);
+                None: `[1, N//2 - 1, N - 4]`.
                 The last decoder layer (`N - 1`) is refused (it collides with the final state).
             dtype: a torch dtype or its name; None or "auto": the checkpoint's own.
             tp_size: tensor-parallel ranks of the engine (on CPU each gets its share of cores).
@@ -78,7 +79,7 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
         text_config = config.get_text_config()
         torch_dtype = resolve_dtype(dtype, text_config)
         num_layers = text_config.num_hidden_layers
-        aux_layer_ids = resolve_eagle3_aux_layer_ids(aux_layer_ids, num_layers)
+        aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, num_layers)
         capture_ids = vllm_capture_layer_ids(aux_layer_ids, num_layers)
         embedding, head = load_embedding_and_head(model_path, torch_dtype, trust_remote_code)
         runner = VLLMTargetRunner(
