@@ -18,9 +18,9 @@ def connect(address: str, namespace: str) -> None:
 
 @ray.remote(num_cpus=0)
 def _auth_mode_on_cluster() -> str:
-    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    from eagle_ray.ray_compat import token_auth_enabled
 
-    return "token" if is_token_auth_enabled() else "disabled"
+    return "token" if token_auth_enabled() else "disabled"
 
 
 def cluster_auth_mode(timeout_s: float = 60.0) -> str:

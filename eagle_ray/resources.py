@@ -75,14 +75,12 @@ def job_demands(config: JobConfig, with_pool: bool = True) -> list[Demand]:
 def cluster_capacity() -> Capacity:
     """The running cluster's nodes, free resources and autoscaler node types."""
     import ray
-    from ray._private.state import state
+
+    from eagle_ray.ray_compat import autoscaler_node_groups
 
     nodes = [dict(n["Resources"]) for n in ray.nodes() if n["Alive"]]
-    node_types = []
-    cluster_config = state.get_cluster_config()
-    for group in getattr(cluster_config, "node_group_configs", []) or []:
-        count = group.max_count if group.max_count >= 0 else 10**6
-        node_types.append(({k: float(v) for k, v in group.resources.items()}, count))
+    node_types = [(resources, count if count >= 0 else 10**6)
+                  for resources, count in autoscaler_node_groups()]
     return Capacity(nodes, dict(ray.available_resources()), node_types)
 
 

@@ -147,6 +147,17 @@ def test_the_cycle_check_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+RAY_PRIVATE = ("ray._private", "internal_kv", "._actor_id", "ray._raylet")
+
+
+def test_rays_private_apis_are_used_in_one_module_only():
+    """`eagle_ray.ray_compat` holds them all, each with why; elsewhere they would break
+    silently on a Ray upgrade."""
+    users = {name: [marker for marker in RAY_PRIVATE if marker in path.read_text()]
+             for name, path in all_modules().items()}
+    assert {name for name, markers in users.items() if markers} == {"eagle_ray.ray_compat"}, users
+
+
 def test_no_module_is_longer_than_a_reader_can_hold():
     lengths = {name: len(path.read_text().splitlines()) for name, path in all_modules().items()}
     too_long = {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES}

@@ -16,10 +16,9 @@ from __future__ import annotations
 import enum
 import re
 
-from ray.experimental import internal_kv
-
 from eagle_ray.backends.base import SelfCheckError
 from eagle_ray.pool.protocol import MicroBatchOutOfMemory
+from eagle_ray.ray_compat import kv_delete, kv_get, kv_put
 
 # A replica whose process dies this many times while building its backend (an abort, a segfault,
 # the out-of-memory killer: nothing it could catch) stops trying and reports itself failed.
@@ -102,13 +101,13 @@ class StartAttempts:
 
     def begin(self) -> int:
         """Count this construction; returns how many before it died unfinished."""
-        died = int(internal_kv._internal_kv_get(self._key) or 0)
-        internal_kv._internal_kv_put(self._key, str(died + 1).encode())
+        died = int(kv_get(self._key) or 0)
+        kv_put(self._key, str(died + 1).encode())
         return died
 
     def end(self) -> None:
         """This construction finished (built, or failed with an error the replica keeps)."""
-        internal_kv._internal_kv_del(self._key)
+        kv_delete(self._key)
 
     def error(self, died: int) -> str:
         """The start-up error of a replica whose earlier constructions died."""

@@ -10,6 +10,7 @@ from ray.actor import ActorHandle
 
 from eagle_ray.pool.protocol import ReplicaInfo, ReplicaStatus
 from eagle_ray.pool.states import ReplicaState
+from eagle_ray.ray_compat import actor_id
 
 
 @dataclasses.dataclass
@@ -45,7 +46,7 @@ class ReplicaRecord:
     def actor_id(self) -> str:
         """What a grant carries instead of the handle: clients look the actor up by name once
         and keep it while the id stays the same (a handle costs ~0.3 ms to deserialise)."""
-        return self.handle._actor_id.hex()
+        return actor_id(self.handle)
 
     def tokens_per_s(self) -> float:
         if self.first_served_at is None:
