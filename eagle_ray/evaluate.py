@@ -29,7 +29,6 @@ from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.chat import stop_token_ids
 from eagle_ray.config import ConfigError, EvalConfig, PoolConfig
 from eagle_ray.draft.export import load_exported_draft
-from eagle_ray.draft.model import Eagle3Draft
 from eagle_ray.eval_prompts import EvalPrompt, EvalPrompts, read_eval_prompts
 from eagle_ray.serving import DraftServing
 from eagle_ray.simulate import simulate_acceptance, simulate_sampled, target_top_probability
@@ -146,7 +145,7 @@ def _simulate(serving: DraftServing, prompts: EvalPrompts, tokenizer, eval_confi
     # The drafts in fp32 (as trained), on the target's device.
     trained, vocab = load_exported_draft(serving.draft_dir, embedding.float())
     torch.manual_seed(1234)
-    untrained = Eagle3Draft(trained.config, embedding.float())
+    untrained = trained.untrained(embedding.float())
     trained, untrained = (d.to(embedding.device).eval() for d in (trained, untrained))
     n = eval_config.max_new_tokens
     greedy = GreedyAnswers(target, n, stops)
@@ -159,6 +158,11 @@ def _simulate(serving: DraftServing, prompts: EvalPrompts, tokenizer, eval_confi
         "skipped_lines": prompts.skipped, "failed_prompts": len(failed),
         "num_speculative_tokens": list(eval_config.num_speculative_tokens),
         "temperatures": list(eval_config.temperatures), "simulated": [],
+        # What parallel drafting is for: vLLM runs one draft forward per verify step for a
+        # P-EAGLE draft, k (one per drafted token) for an EAGLE-3 chain.
+        "draft": {"kind": trained.kind, "forwards_per_verify_step": {
+            str(k): 1 if serving.parallel_drafting else k
+            for k in eval_config.num_speculative_tokens}},
         "served_with": dataclasses.asdict(serving)}
     continuations = greedy([], turn_prompts)
     report["target_top_probability"] = target_top_probability(target, turn_prompts,

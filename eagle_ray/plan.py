@@ -24,6 +24,7 @@ from torch import nn
 
 from eagle_ray.config import JobConfig
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
+from eagle_ray.draft.peagle import PEagleDraft
 from eagle_ray.memory import TensorMemoryProbe
 from eagle_ray.supervision import DraftVocab, draft_target
 from eagle_ray.target_batch import NUM_AUX_LAYERS, Eagle3TargetBatch
@@ -126,7 +127,7 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float | None = None,
     target_dtype = _dtype(job.target.dtype, text)
     bf16 = job.train.precision in ("auto", "bf16")  # on a GPU with bf16, as recipes assume
     trainer = trainer_memory(draft_config, rows, seq, job.train.ttt_steps, target_dtype, bf16,
-                             ddp=job.train.workers > 1)
+                             ddp=job.train.workers > 1, kind=job.draft.kind)
     parameters, active_parameters = parameter_counts(target_config)
     replica, kv_tokens = replica_memory(target_config, parameters, target_dtype,
                                         job.target.tp_size, job.target.vllm_kwargs,
@@ -137,8 +138,8 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float | None = None,
     else:
         per_token = (NUM_AUX_LAYERS + 1) * hidden * target_dtype.itemsize
     flops = mfu * gpu_tflops * 1e12
-    draft_trainable = sum(p.numel() for p in _meta_draft(draft_config).parameters()
-                          if p.requires_grad)
+    draft_trainable = sum(p.numel() for p in _meta_draft(draft_config, job.draft.kind)
+                          .parameters() if p.requires_grad)
     # Prefill: 2 FLOPs per parameter a token passes through (a mixture of experts' active ones).
     # Training: 6 per trainable draft parameter per token per TTT step, plus the target head's
     # decoding (2 x H x V).
@@ -151,7 +152,7 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float | None = None,
                 trainer_tokens_per_s=trainer_rate,
                 replicas=scaling.max_replicas if scaling else job.target.replicas,
                 trainers=job.train.workers,
-                assumptions={"gpu_memory_gib": gpu_memory_gib,
+                assumptions={"draft": job.draft.kind, "gpu_memory_gib": gpu_memory_gib,
                              "gpu_memory_from": memory_source, "mfu": mfu,
                              "gpu_tflops": gpu_tflops, "micro_batch": [rows, seq],
                              "trainer_precision": "bf16" if bf16 else "fp32",
@@ -231,13 +232,15 @@ def check_replica_fits(plan: Plan, max_model_len: int) -> None:
 
 
 def trainer_memory(config: DraftConfig, rows: int, seq: int, ttt_steps: int,
-                   supervision_dtype: torch.dtype, bf16: bool, ddp: bool) -> dict[str, int]:
-    """Bytes of one trainer worker: fp32 weights (the draft with the target's frozen embedding,
-    and the target head it decodes with), gradients, AdamW state, DDP's gradient buckets, and
-    the peak of one training step at `rows x seq` tokens, measured on fake tensors."""
+                   supervision_dtype: torch.dtype, bf16: bool, ddp: bool,
+                   kind: str = "eagle3") -> dict[str, int]:
+    """Bytes of one trainer worker: fp32 weights (the draft of `kind` with the target's frozen
+    embedding, and the target head it decodes with), gradients, AdamW state, DDP's gradient
+    buckets, and the peak of one training step at `rows x seq` tokens, measured on fake
+    tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    draft = _meta_draft(config)
+    draft = _meta_draft(config, kind)
     trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad) * 4
     weights = sum(p.numel() for p in draft.parameters()) * 4
     head_weights = (config.vocab_size + 1) * config.hidden_size * 4
@@ -253,7 +256,8 @@ def trainer_memory(config: DraftConfig, rows: int, seq: int, ttt_steps: int,
             probs, position_mask = draft_target(batch, vocab, head)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 loss, _, _ = ttt_loss(draft, batch.aux_hidden_states, batch.input_ids,
-                                      batch.loss_mask, probs, position_mask, ttt_steps)
+                                      batch.loss_mask, probs, position_mask, ttt_steps,
+                                      draft.step_inputs(batch.input_ids, ttt_steps))
             loss.backward()
     batch_bytes = batch.nbytes  # the prefetcher holds the next one on the device too
     parts = {"weights": weights + head_weights, "optimizer": 2 * trainable,
@@ -293,9 +297,9 @@ def _fake_batch(rows: int, seq: int, hidden: int, dtype: torch.dtype) -> Eagle3T
         last_hidden=torch.empty(rows, seq, hidden, dtype=dtype))
 
 
-def _meta_draft(config: DraftConfig) -> Eagle3Draft:
+def _meta_draft(config: DraftConfig, kind: str = "eagle3") -> Eagle3Draft:
     with torch.device("meta"):
-        return Eagle3Draft(config)
+        return PEagleDraft(config, 0) if kind == "peagle" else Eagle3Draft(config)
 
 
 def parameter_counts(target_config) -> tuple[int, int]:
@@ -331,8 +335,9 @@ def format_plan(plan: Plan) -> str:
 
     a = plan.assumptions
     lines = [f"GPU: {a['gpu_memory_gib']:.0f} GiB ({a['gpu_memory_from']})"]
-    lines += table(f"trainer worker (per GPU; micro-batch {a['micro_batch'][0]} x "
-                  f"{a['micro_batch'][1]} tokens, {a['trainer_precision']})", plan.trainer)
+    lines += table(f"trainer worker (per GPU; {a['draft']} draft, micro-batch "
+                   f"{a['micro_batch'][0]} x {a['micro_batch'][1]} tokens, "
+                   f"{a['trainer_precision']})", plan.trainer)
     lines += table("replica (per GPU)", plan.replica)
     lines += [f"  KV cache holds {plan.kv_cache_tokens:,} tokens",
               f"supervision: {plan.supervision_bytes_per_token:,} bytes per token, "

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 REPORT_SIZE_PX = (1500, 800)
+TRAINING_ONLY_SIZE_PX = (1500, 440)  # a run that did not evaluate: the training row alone
 DISAGREEMENT = 0.25  # acceptance length between vLLM and the simulation worth a line
+DRAFT_KIND_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE (parallel drafting)"}
 
 
 def _ttt_values(metrics: dict[str, Any], name: str) -> list[float]:
@@ -67,6 +69,11 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"  target      top probability along its greedy answers "
                      f"{report['target_top_probability']:.2f} (near 1, sampling picks what "
                      f"greedy does)")
+    if "draft" in report:  # what parallel drafting is for
+        forwards = report["draft"]["forwards_per_verify_step"]
+        lines.append(f"  draft       {DRAFT_KIND_NAMES.get(report['draft']['kind'])}: draft "
+                     f"forwards per verify step " + ", ".join(
+                         f"{n} at k={k}" for k, n in forwards.items()))
     lines += [f"  acceptance  length (1 + accepted / verify steps) on {report['prompts']} "
               f"prompts ({report['turns']} turns){'; 95% intervals' if measured else ''}",
               _row("", [_setting(c) for c in columns], width)]
@@ -150,7 +157,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         if summary.get(key):
             lines.append(f"  {label:<12}{summary[key]}")
     if summary.get("serve_command"):
-        lines += ["  serve it with vLLM as the target's EAGLE-3 draft:",
+        kind = DRAFT_KIND_NAMES.get(summary.get("draft_kind", "eagle3"), "EAGLE-3")
+        lines += [f"  serve it with vLLM as the target's {kind} draft:",
                   f"    {summary['serve_command']}"]
     return "\n".join(lines)
 
@@ -171,8 +179,8 @@ def write_report_png(summary: dict[str, Any], metrics: list[dict[str, Any]],
     rows = report.get("vllm") or report.get("simulated") or []
     temperatures = sorted({r["temperature"] for r in rows})
     temperatures = temperatures[:1] + temperatures[1:][-1:]  # the lowest and the highest
-    width, height = REPORT_SIZE_PX
-    fig = plt.figure(figsize=(width / 100, height / 100 * (1 if rows else 0.55)), dpi=100)
+    width, height = REPORT_SIZE_PX if rows else TRAINING_ONLY_SIZE_PX
+    fig = plt.figure(figsize=(width / 100, height / 100), dpi=100)
     grid = fig.add_gridspec(2 if rows else 1, 6)
     top = [fig.add_subplot(grid[0, 2 * i: 2 * i + 2]) for i in range(3)]
     _training_panels(top, metrics)

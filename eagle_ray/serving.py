@@ -17,13 +17,15 @@ TP_EXECUTOR = "mp"  # as the pool's replicas: the TP ranks are the process's own
 
 @dataclasses.dataclass(frozen=True)
 class DraftServing:
-    """A draft served by vLLM as its target's EAGLE-3 speculative model."""
+    """A draft served by vLLM as its target's EAGLE-3 speculative model (chained, or in
+    parallel for a P-EAGLE draft)."""
 
     model_path: str
     draft_dir: str
     dtype: str  # the target's dtype as vLLM names it ("bfloat16", "float32", ...)
     tp_size: int = 1
     tokenizer: str | None = None  # the target's tokenizer, where its folder has none
+    parallel_drafting: bool = False  # a P-EAGLE draft: all k tokens in one forward
 
     @classmethod
     def for_target(cls, model_path: str, draft_dir: str | Path, dtype: str = "auto",
@@ -32,15 +34,21 @@ class DraftServing:
         from transformers import AutoConfig
 
         from eagle_ray.checkpoint import resolve_dtype
+        from eagle_ray.draft.export import exported_kind
 
         text_config = AutoConfig.from_pretrained(model_path).get_text_config()
         resolved = resolve_dtype(None if dtype == "auto" else dtype, text_config)
         return cls(str(model_path), str(draft_dir), str(resolved).removeprefix("torch."),
-                   tp_size, tokenizer)
+                   tp_size, tokenizer, parallel_drafting=exported_kind(draft_dir) == "peagle")
 
     def speculative_config(self, k: int) -> dict[str, Any]:
-        """vLLM's `speculative_config` for chain drafting `k` tokens per step."""
-        return {"method": "eagle3", "model": self.draft_dir, "num_speculative_tokens": k}
+        """vLLM's `speculative_config` drafting `k` tokens per step: chained for an EAGLE-3
+        draft, in one forward for a P-EAGLE one (`parallel_drafting`, which vLLM never turns on
+        by itself for an `eagle3` draft: without it the draft would run as a plain chain)."""
+        spec = {"method": "eagle3", "model": self.draft_dir, "num_speculative_tokens": k}
+        if self.parallel_drafting:
+            spec["parallel_drafting"] = True
+        return spec
 
     def engine_kwargs(self, k: int) -> dict[str, Any]:
         """`vllm.LLM` arguments serving the draft at `k` (the same as `command(k)`)."""

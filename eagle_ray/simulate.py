@@ -26,23 +26,16 @@ import torch
 
 from eagle_ray.acceptance import AcceptanceTally
 from eagle_ray.backends.hf import HFEagle3TargetModel
-from eagle_ray.draft.model import Eagle3Draft, shift_left
+from eagle_ray.draft.model import Eagle3Draft
 from eagle_ray.supervision import DraftVocab
 
 
 def draft_chain(draft: Eagle3Draft, vocab: DraftVocab, aux_hidden_states: torch.Tensor,
                 seq: list[int], next_token: int, k: int) -> list[int]:
-    """`k` tokens the draft proposes after `seq` + `next_token`, greedily (target ids); step j
-    reads, at the last slot, the token drafted by step j - 1."""
-    step_ids = [torch.tensor([seq[1:] + [next_token]], device=aux_hidden_states.device)]
-    drafted: list[int] = []
-    for _ in range(k):
-        logits = draft(aux_hidden_states.float(), step_ids)[-1][0, -1]
-        drafted.append(int(vocab.draft_to_target[int(logits.argmax())]))
-        step = shift_left(step_ids[-1], 1)
-        step[0, -1] = drafted[-1]
-        step_ids.append(step)
-    return drafted
+    """`k` tokens (target ids) the draft proposes after `seq` + `next_token`, greedily, as vLLM
+    drafts with it (`Eagle3Draft.propose`: a chain, one forward per token; P-EAGLE: one pass)."""
+    proposed = draft.propose(aux_hidden_states, seq, next_token, k, vocab.draft_to_target)
+    return [int(vocab.draft_to_target[i]) for i in proposed]
 
 
 @torch.inference_mode()

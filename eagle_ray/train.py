@@ -97,6 +97,7 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
             "model_path": model_path,
             "target": served.to_dict(),
             "pad_id": tokenizer.pad_token_id or 0,
+            "mask_token_id": mask_token_id(config, tokenizer, served),
             "draft_to_target": data.vocab.draft_to_target.tolist(),
             "output_dir": str(output_dir),
             "progress": board,
@@ -158,6 +159,7 @@ def write_summary(config: JobConfig, final_metrics: dict[str, Any], data, served
         "run_name": config.run_name,
         "final_metrics": final_metrics,
         "draft_dir": str(output_dir / "draft"),
+        "draft_kind": config.draft.kind,
         "target": served.to_dict(),
         "data": data.statuses,
         **({"regenerated": data.regenerated} if data.regenerated else {}),
@@ -287,6 +289,18 @@ def check_data_on_the_cluster(config: JobConfig) -> None:
                           f"JSON or Parquet files or folders (messages or ShareGPT "
                           f"conversations) on storage those nodes mount, or null for generated "
                           f"data")
+
+
+def mask_token_id(config: JobConfig, tokenizer, served: TargetIdentity) -> int | None:
+    """The P-EAGLE draft's mask token (None for a draft without one)."""
+    if config.draft.kind != "peagle":
+        return None
+    from eagle_ray.draft.peagle import resolve_mask_token_id
+
+    try:
+        return resolve_mask_token_id(config.draft.mask_token_id, tokenizer, served.vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_aux_layer_ids(config: JobConfig) -> None:

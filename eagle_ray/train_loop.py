@@ -27,6 +27,7 @@ from eagle_ray.config import ClientConfig, DataConfig, JobConfig, TrainConfig, f
 from eagle_ray.data import padding_share, token_budget_micro_batches
 from eagle_ray.draft.export import export_draft
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
+from eagle_ray.draft.peagle import PEagleDraft
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.plan import check_worker_memory
 from eagle_ray.pool import PoolClient
@@ -88,7 +89,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 
 class DraftLearner:
-    """The draft, wrapped for DDP, with its optimizer and schedule: one TTT step at a time.
+    """The draft (any kind: what each training step reads is the draft's `step_inputs`),
+    wrapped for DDP, with its optimizer and schedule: one TTT step at a time.
 
     `prepare` wraps the draft for its workers (Ray Train's `prepare_model`: DDP, the device);
     None moves it to `device` unwrapped (one process, as in tests)."""
@@ -116,8 +118,11 @@ class DraftLearner:
         target_config = AutoConfig.from_pretrained(loop_config["model_path"])
         embedding, head = load_embedding_and_head(loop_config["model_path"], torch.float32)
         vocab = DraftVocab(torch.tensor(loop_config["draft_to_target"]), served.vocab_size)
-        draft = Eagle3Draft(DraftConfig.from_target(target_config, vocab.size,
-                                                    train.intermediate_size), embedding.weight)
+        config = DraftConfig.from_target(target_config, vocab.size, train.intermediate_size)
+        if loop_config.get("mask_token_id") is not None:  # draft.kind peagle
+            draft = PEagleDraft(config, loop_config["mask_token_id"], embedding.weight)
+        else:
+            draft = Eagle3Draft(config, embedding.weight)
         return cls(draft, head, vocab, train, device, ray.train.torch.prepare_model)
 
     def resume(self, checkpoint, rank: int) -> int:
@@ -140,7 +145,8 @@ class DraftLearner:
               else contextlib.nullcontext()):
             loss, step_losses, step_accuracies = ttt_loss(
                 self.model, batch.aux_hidden_states, batch.input_ids, batch.loss_mask, probs,
-                position_mask, self.train.ttt_steps)
+                position_mask, self.train.ttt_steps,
+                self.draft.step_inputs(batch.input_ids, self.train.ttt_steps))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.train.grad_clip)

@@ -129,3 +129,24 @@ def test_the_exact_expectation_stands_beside_vllm_and_the_simulation():
     measured[1].update(mean_acceptance_length=1.1, interval_95=[1.0, 1.2])
     apart = [line for line in acceptance_lines(report) if "disagree" in line]
     assert len(apart) == 1 and "k=3, t=1" in apart[0] and "k=3, t=0" not in apart[0]
+
+
+def test_report_png_has_no_empty_panel_without_an_evaluation(tmp_path):
+    """With an evaluation: the training row and the acceptance row; without one, the training
+    row alone (no blank panels)."""
+    from PIL import Image
+
+    from eagle_ray.report import REPORT_SIZE_PX, TRAINING_ONLY_SIZE_PX, write_report_png
+
+    metrics = [{"step": s, "loss_0": 3.0 / s, "acc_0": 0.1 * s, "supervision_tokens_per_s": 900.0,
+                "pool_wait_share": 0.1, "data_wait_share": 0.0} for s in (1, 2, 3)]
+    greedy = {"num_speculative_tokens": 3, "temperature": 0.0, "trained": 2.5, "untrained": 1.0,
+              "acceptance_per_position_trained": [0.8, 0.5, 0.2],
+              "acceptance_per_position_untrained": [0.0, 0.0, 0.0]}
+    evaluated = {"prompts": 2, "turns": 2, "simulated": [greedy], "vllm": [
+        {"num_speculative_tokens": 3, "temperature": 0.0, "mean_acceptance_length": 2.5,
+         "interval_95": [float("nan"), float("nan")], "acceptance_per_position": [0.8, 0.5, 0.2]}]}
+    for summary, size in (({"eval": evaluated}, REPORT_SIZE_PX), ({}, TRAINING_ONLY_SIZE_PX)):
+        path = write_report_png(summary, metrics, tmp_path / f"{size[1]}.png")
+        with Image.open(path) as image:
+            assert image.size == size

@@ -283,19 +283,22 @@ def test_own_train_loop_trains_on_the_pools_supervision_and_checkpoints(example_
 def test_ray_data_stage_writes_the_pools_supervision_once_per_key(example_pool, tmp_path):
     pool, served, reference, address = example_pool
     output = tmp_path / "rows"
-    args = ("--samples", "24", "--concurrency", "2", "--output", str(output),
+    # The kit's chats with four of them repeated, as real datasets repeat conversations.
+    lines = eagle_ray.tiny_chat_dataset(24).read_text().splitlines()
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(f"{line}\n" for line in lines + lines[3:7]))
+    args = ("--data", str(data), "--concurrency", "2", "--output", str(output),
             *expected_target(served))
     first = run_example("ray_data_supervision", address, *args)
     assert first.returncode == 0, first.stderr[-6000:]
     # The same rows, tokenised by the example's own stage, then run through the engine here.
     example = load_example("ray_data_supervision")
-    conversations = [json.loads(line)["messages"] for line in
-                     eagle_ray.tiny_chat_dataset(24).read_text().splitlines()]
+    conversations = [json.loads(line)["messages"] for line in data.read_text().splitlines()]
     column = np.empty(len(conversations), dtype=object)
     column[:] = conversations
     tokens = example.Tokenize(served.model_path, served.max_length)({"messages": column})
     keys = list(dict.fromkeys(tokens["key"]))  # repeated conversations share their key
-    assert len(keys) < len(conversations), "the kit repeats conversations: dedup is exercised"
+    assert len(keys) == len(conversations) - 4, "repeated conversations share their key"
     stored = SupervisionRows(output)
     assert stored.identity == served and sorted(stored.keys()) == sorted(keys)
     for key, ids, mask in zip(tokens["key"], tokens["input_ids"], tokens["loss_mask"],

@@ -96,7 +96,15 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[str, Any], dict[str, Any]]]] = {
     "soak": ("soak", "run", lambda path, opts: {"minutes": opts.minutes}),
     "gpu": ("gpu", "run", lambda path, opts: {"device": opts.device}),
     "self-check": ("self_check", "run", lambda path, opts: {"model_path": path}),
+    # A draft learns only from a target that says something predictable: the pre-trained one.
+    "drafts": ("drafts", "run", lambda path, opts: {"model_path": _pretrained(opts)}),
 }
+
+def _pretrained(options: Any) -> str:
+    from eagle_ray.tiny import tiny_target
+
+    return str(tiny_target(getattr(options, "arch", "llama"), pretrained=True))
+
 
 # `--quick`: each benchmark at the smallest size that still runs all of its code (CI runs every
 # one this way and checks the lines' shape, not the figures).
@@ -117,6 +125,8 @@ QUICK: dict[str, dict[str, Any]] = {
     "gpu": {"small": True},
     "self-check": {"rows": 16, "wide": {"hidden": 256, "vocab": 4096, "intermediate": 512,
                                         "heads": 4, "kv_heads": 2}},
+    "drafts": {"steps": 4, "ks": (3,), "prompts": 2, "max_new_tokens": 8, "rounds": 1,
+               "samples": 16},
 }
 
 

@@ -7,6 +7,7 @@ job's. This package imports nothing else of eagle_ray, so any module may depend 
 
 from eagle_ray.config.job import (
     DataConfig,
+    DraftSpec,
     EvalConfig,
     JobConfig,
     RegenerateConfig,
@@ -22,6 +23,6 @@ from eagle_ray.config.loader import (
 )
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 
-__all__ = ["ClientConfig", "ConfigError", "DataConfig", "EvalConfig", "JobConfig", "PoolConfig",
-           "RegenerateConfig", "TrainConfig", "apply_overrides", "flatten", "from_dict",
-           "load_yaml", "to_dict"]
+__all__ = ["ClientConfig", "ConfigError", "DataConfig", "DraftSpec", "EvalConfig", "JobConfig",
+           "PoolConfig", "RegenerateConfig", "TrainConfig", "apply_overrides", "flatten",
+           "from_dict", "load_yaml", "to_dict"]

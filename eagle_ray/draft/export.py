@@ -1,4 +1,5 @@
-"""Export a trained draft as the HF folder vLLM's EAGLE-3 loader reads, and check it.
+"""Export a trained draft as the HF folder vLLM's EAGLE-3 loader reads, and check it (a
+P-EAGLE draft is the same folder plus `mask_hidden`, its mask token and aux layer count).
 
 vLLM validates almost none of this and fails silently (low acceptance) on a wrong layer id, a
 missing `d2t` or a wrong `fc` width, so the export checks its own output against the target the
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle_ray.aux_layers import vllm_capture_layer_ids
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft
+from eagle_ray.draft.peagle import PEagleDraft
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.supervision import DraftVocab
 
@@ -26,6 +28,8 @@ logger = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
 TARGET_KEY = "eagle_ray_target"  # config.json: the TargetIdentity the draft was trained against
 TTT_STEPS_KEY = "eagle_ray_ttt_steps"  # config.json: draft steps it was trained to chain
+KIND_KEY = "eagle_ray_draft_kind"  # config.json: `DraftSpec.kind` (absent: eagle3)
+MASK_TOKEN_KEY = "mask_token_id"  # config.json: where vLLM reads a parallel draft's mask token
 
 
 def serving_layer_ids(target: TargetIdentity) -> list[int]:
@@ -66,7 +70,9 @@ def export_draft(draft: Eagle3Draft, vocab: DraftVocab, target: TargetIdentity,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": serving_ids,
                          "use_aux_hidden_state": True},
         TARGET_KEY: target.to_dict(),
+        KIND_KEY: draft.kind,
         **({TTT_STEPS_KEY: ttt_steps} if ttt_steps is not None else {}),
+        **_parallel_drafting_keys(draft),
     }
     state = {name: t.detach().cpu().contiguous() for name, t in draft.state_dict().items()
              if not name.startswith("embed_tokens.")}  # vLLM shares the target's embedding
@@ -90,8 +96,9 @@ def validate_export(path: str | Path, target: TargetIdentity) -> None:
     heads, kv_heads, head_dim = (config["num_attention_heads"], config["num_key_value_heads"],
                                  config["head_dim"])
     full_vocabulary = draft_vocab == target.vocab_size
+    layers = len(target.aux_layer_ids)
     expected = {
-        "fc.weight": (hidden, 3 * target.hidden_size),
+        "fc.weight": (hidden, layers * target.hidden_size),
         "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
         "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
         "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
@@ -105,6 +112,8 @@ def validate_export(path: str | Path, target: TargetIdentity) -> None:
         "norm.weight": (hidden,),
         "lm_head.weight": (draft_vocab, hidden),
         **({} if full_vocabulary else {"d2t": (draft_vocab,)}),
+        **({"mask_hidden": (1, layers * target.hidden_size)}
+           if config.get(KIND_KEY) == "peagle" else {}),
     }
     for name, shape in expected.items():
         if name not in weights:
@@ -121,6 +130,8 @@ def validate_export(path: str | Path, target: TargetIdentity) -> None:
                         f"{target.vocab_size}")
     if draft_vocab > target.vocab_size:
         problems.append(f"draft_vocab_size {draft_vocab} exceeds the target's vocabulary")
+    if config.get(KIND_KEY) == "peagle":
+        problems += _parallel_drafting_problems(config, target)
     if full_vocabulary and "d2t" in weights:
         problems.append("a full-vocabulary draft carries d2t, which vLLM refuses to load")
     if "d2t" in weights and not full_vocabulary:
@@ -135,6 +146,33 @@ def validate_export(path: str | Path, target: TargetIdentity) -> None:
             problems.append("d2t does not map to distinct ascending target ids")
     if problems:
         raise ValueError(f"draft export {path} is not servable: " + "; ".join(problems))
+
+
+def _parallel_drafting_keys(draft: Eagle3Draft) -> dict:
+    """What vLLM reads to draft in parallel: the mask token and the aux layer count that sizes
+    `mask_hidden` (without it vLLM assumes three: docs/training.md, "Draft kinds")."""
+    if draft.kind != "peagle":
+        return {}
+    return {MASK_TOKEN_KEY: draft.mask_token_id,
+            "num_aux_hidden_states": draft.config.num_aux_layers}
+
+
+def _parallel_drafting_problems(config: dict, target: TargetIdentity) -> list[str]:
+    mask = config.get(MASK_TOKEN_KEY)
+    problems = []
+    if not isinstance(mask, int) or not 0 <= mask < target.vocab_size:
+        problems.append(f"{MASK_TOKEN_KEY} {mask!r} is not a token id of the target's "
+                        f"vocabulary [0, {target.vocab_size})")
+    if config.get("num_aux_hidden_states") != len(target.aux_layer_ids):
+        problems.append(f"num_aux_hidden_states {config.get('num_aux_hidden_states')!r} is not "
+                        f"the {len(target.aux_layer_ids)} aux layers the target was captured at")
+    return problems
+
+
+def exported_kind(path: str | Path) -> str:
+    """The kind of an exported draft (`DraftSpec.kind`; drafts exported before kinds existed
+    are EAGLE-3)."""
+    return json.loads((Path(path) / "config.json").read_text()).get(KIND_KEY, "eagle3")
 
 
 def exported_target(path: str | Path) -> TargetIdentity:
@@ -166,7 +204,10 @@ def load_exported_draft(path: str | Path, embedding_weight: torch.Tensor
     weights = load_file(str(path / WEIGHTS_FILE))
     d2t = weights.pop("d2t", torch.zeros(config["draft_vocab_size"], dtype=torch.int64))
     weights.pop("t2d", None)
-    draft = Eagle3Draft(draft_config, embedding_weight)
+    if config.get(KIND_KEY) == "peagle":
+        draft = PEagleDraft(draft_config, config[MASK_TOKEN_KEY], embedding_weight)
+    else:
+        draft = Eagle3Draft(draft_config, embedding_weight)
     draft.load_state_dict({**weights, "embed_tokens.weight": embedding_weight})
     vocab = DraftVocab(torch.arange(d2t.numel()) + d2t, config["vocab_size"])
     return draft, vocab

@@ -223,7 +223,13 @@ class DraftLayer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    """The draft: frozen target embedding, `fc`, one `midlayer`, `norm`, draft-vocab `lm_head`."""
+    """The draft: frozen target embedding, `fc`, one `midlayer`, `norm`, draft-vocab `lm_head`.
+
+    Chain drafting: step k reads the token drafted by step k - 1 and the hidden state step k - 1
+    produced (`step_inputs`, `next_step_hidden`), one draft forward per drafted token.
+    `peagle.PEagleDraft` changes those two hooks and nothing else."""
+
+    kind = "eagle3"
 
     def __init__(self, config: DraftConfig, embedding_weight: torch.Tensor | None = None,
                  attention: AttentionFn = ttt_attention) -> None:
@@ -239,26 +245,55 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
 
+    def untrained(self, embedding_weight: torch.Tensor | None = None) -> Eagle3Draft:
+        """A freshly initialised draft of the same kind and shape (an evaluation's baseline)."""
+        return Eagle3Draft(self.config, embedding_weight)
+
     def forward(self, aux_hidden_states: torch.Tensor, step_input_ids: list[torch.Tensor]
                 ) -> list[torch.Tensor]:
         """Draft-vocabulary logits `[B, S, V_draft]` for each TTT step, over right-padded rows.
 
-        `step_input_ids[k]` `[B, S]` is the token read at step k (ground truth in training, the
-        previous step's guess when drafting); step 0 reads `fc(aux_hidden_states)`. Aux states
-        may come in the engine's dtype (bf16): under autocast `fc` reads them as they are.
+        `step_input_ids[k]` `[B, S]` is the token read at step k (`step_inputs`: ground truth in
+        training, the previous step's guess when drafting); step 0 reads `fc(aux_hidden_states)`.
+        Aux states may come in the engine's dtype (bf16): under autocast `fc` reads them as
+        they are.
         """
         batch, seq = step_input_ids[0].shape
         device = aux_hidden_states.device
         base = torch.arange(seq, device=device).expand(batch, seq)
         if not torch.is_autocast_enabled(device.type):
             aux_hidden_states = aux_hidden_states.to(self.fc.weight.dtype)
-        hidden = self.fc(aux_hidden_states)  # [B, S, H]
+        hidden = first = self.fc(aux_hidden_states)  # [B, S, H]
         cache: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         logits = []
         for k, ids in enumerate(step_input_ids):
-            hidden = self.midlayer(self.embed_tokens(ids), hidden, base + k, cache)
-            logits.append(self.lm_head(self.norm(hidden)))
+            out = self.midlayer(self.embed_tokens(ids), hidden, base + k, cache)
+            logits.append(self.lm_head(self.norm(out)))
+            hidden = self.next_step_hidden(out, first)
         return logits
+
+    def step_inputs(self, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """The tokens each training step reads (`chain_step_inputs`)."""
+        return chain_step_inputs(input_ids, steps)
+
+    def next_step_hidden(self, out: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """The hidden state step k + 1 reads: the one step k produced."""
+        return out
+
+    def propose(self, aux_hidden_states: torch.Tensor, seq: list[int], next_token: int, k: int,
+                draft_to_target: torch.Tensor) -> list[int]:
+        """`k` draft-vocabulary ids drafted greedily after `seq` + `next_token` (aux states of
+        `seq`, `[1, len(seq), N*H]`), as vLLM's EAGLE proposer drafts them: step j reads, at
+        the last slot, the token step j - 1 drafted (one forward per token)."""
+        step_ids = [torch.tensor([seq[1:] + [next_token]], device=aux_hidden_states.device)]
+        drafted: list[int] = []
+        for _ in range(k):
+            logits = self(aux_hidden_states.float(), step_ids)[-1][0, -1]
+            drafted.append(int(logits.argmax()))
+            step = shift_left(step_ids[-1], 1)
+            step[0, -1] = int(draft_to_target[drafted[-1]])
+            step_ids.append(step)
+        return drafted
 
 
 def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -269,17 +304,26 @@ def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([x.narrow(1, k, seq - k), torch.zeros_like(x.narrow(1, 0, k))], dim=1)
 
 
+def chain_step_inputs(input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Step k at slot t reads token t + k + 1: the ground truth a chain of k accepted drafts
+    would have fed it."""
+    return [shift_left(input_ids, k) for k in range(steps)]
+
+
 def ttt_loss(draft: nn.Module, aux_hidden_states: torch.Tensor, input_ids: torch.Tensor,
              loss_mask: torch.Tensor, target_probs: torch.Tensor, position_mask: torch.Tensor,
-             ttt_steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             ttt_steps: int, step_input_ids: list[torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted TTT loss over shifted supervision (docs/contract.md, "Shift"), plus per-step
     loss and accuracy `[ttt_steps]` (detached, on the loss's device: reading them is the
     caller's host sync, once per log interval rather than per step).
 
-    Accuracy is the share of supervised slots where the draft's argmax equals the target's
-    argmax within the draft vocabulary.
+    Step k at slot t is scored against the target at slot t + k, weighted 0.8 ** k, whatever
+    the draft's kind: `step_input_ids` are what each step reads (the draft's `step_inputs`;
+    None: EAGLE-3's chain). Accuracy is the share of supervised slots where the draft's argmax
+    equals the target's argmax within the draft vocabulary.
     """
-    steps = [shift_left(input_ids, k) for k in range(ttt_steps)]
+    steps = step_input_ids or chain_step_inputs(input_ids, ttt_steps)
     logits = draft(aux_hidden_states, steps)
     total = torch.zeros((), device=aux_hidden_states.device)
     losses, accuracies = [], []

@@ -1,0 +1,150 @@
+"""EAGLE-3 against P-EAGLE on the same data, in one run: what each accepts and what each costs.
+
+Both drafts train in this process through the training loop's own learner (`DraftLearner`) from
+the same seed, on the same supervision (the pre-trained kit target over the kit's chats,
+computed once), for the same steps. Then, on the same held-out prompts: the greedy simulation's
+acceptance at each k (the HF target), and vLLM serving each exported draft at each k as the job
+would (`DraftServing`): its acceptance, whether greedy output stayed unchanged, output tokens
+per second of wall time (best of the rounds, the two drafts interleaved), and the draft forwards
+per verify step -- k for EAGLE-3's chain, one for parallel drafting, which is what P-EAGLE trades
+acceptance for. Ratios are against EAGLE-3. On the CPU build the tiny draft costs about as much
+as the tiny target, so the tokens/s ratio shows the mechanism, not a GPU's gain.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from eagle_ray.bench import emit
+
+KINDS = ("eagle3", "peagle")
+
+
+def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts: int = 16,
+        max_new_tokens: int = 32, rounds: int = 2, samples: int = 320) -> None:
+    from eagle_ray.backends.hf import HFEagle3TargetModel
+    from eagle_ray.chat import prompt_for_turn, stop_token_ids
+    from eagle_ray.evaluate import greedy_generate
+    from eagle_ray.identity import TargetIdentity
+    from eagle_ray.tiny import generate_chat_samples
+    from eagle_ray.tokenizer_files import load_tokenizer
+
+    target = HFEagle3TargetModel.from_pretrained(model_path, dtype=torch.float32)
+    _, tokenizer = load_tokenizer(model_path, {}, "the benchmark")
+    supervision, vocab = _supervision(target, tokenizer, samples)
+    stops = stop_token_ids(tokenizer)
+    held_out = [prompt_for_turn(tokenizer, s["messages"], 2)
+                for s in generate_chat_samples(prompts, seed=77)]
+    answers = [greedy_generate(target, p, max_new_tokens, stops) for p in held_out]
+    served = TargetIdentity.of_backend(target, model_path)
+    with tempfile.TemporaryDirectory() as tmp:
+        drafts = {kind: _train_and_export(kind, target, tokenizer, vocab, supervision, steps,
+                                          max(ks), served, Path(tmp) / kind) for kind in KINDS}
+        simulated = {kind: _simulate(target, draft, vocab, held_out, answers, ks)
+                     for kind, (draft, _) in drafts.items()}
+        served_rates = _serve(model_path, {k: d for k, (_, d) in drafts.items()}, held_out, ks,
+                              max_new_tokens, stops, answers, rounds)
+    for k in ks:
+        for kind in KINDS:
+            common = {"kind": kind, "k": k, "steps": steps, "baseline": "eagle3"}
+            emit("drafts", "simulated_acceptance_length", round(simulated[kind][k], 3), "tokens",
+                 ratio=round(simulated[kind][k] / simulated["eagle3"][k], 3), **common)
+            length, equal, rate = served_rates[kind][k]
+            base = served_rates["eagle3"][k]
+            emit("drafts", "vllm_acceptance_length", round(length, 3), "tokens",
+                 ratio=round(length / base[0], 3), greedy_unchanged=equal, **common)
+            emit("drafts", "vllm_output_tokens_per_s", round(rate, 1), "tok/s",
+                 ratio=round(rate / base[2], 3), **common)
+            emit("drafts", "draft_forwards_per_verify_step", 1 if kind == "peagle" else k,
+                 "forwards", **common)
+
+
+def _supervision(target, tokenizer, samples: int):
+    """The kit's chats as the target's supervision (fp32), and their draft vocabulary."""
+    from eagle_ray.data import make_micro_batches, tokenize_chats
+    from eagle_ray.supervision import DraftVocab
+    from eagle_ray.tiny import generate_chat_samples
+
+    chats = [(f"sample {i}", s["messages"])
+             for i, s in enumerate(generate_chat_samples(samples, seed=5))]
+    rows = tokenize_chats(chats, tokenizer, 256, target.vocab_size).rows
+    counts = torch.zeros(target.vocab_size)
+    for ids, mask in rows:
+        counts.index_add_(0, torch.tensor(ids), torch.tensor(mask, dtype=torch.float))
+    vocab = DraftVocab.from_token_counts(counts, min(256, target.vocab_size))
+    return [target.generate_batch(*mb) for mb in make_micro_batches(rows, 8)], vocab
+
+
+def _train_and_export(kind: str, target, tokenizer, vocab, supervision, steps: int, depth: int,
+                      served, out: Path):
+    """(the trained draft of `kind`, its export folder): `steps` learner steps over the
+    supervision, epoch after epoch, from seed 0."""
+    from eagle_ray.config import TrainConfig
+    from eagle_ray.draft.export import export_draft
+    from eagle_ray.draft.model import DraftConfig, Eagle3Draft
+    from eagle_ray.draft.peagle import PEagleDraft, resolve_mask_token_id
+    from eagle_ray.train_loop import DraftLearner
+
+    torch.manual_seed(0)
+    config = DraftConfig.from_target(target.model.config, vocab.size)
+    embedding = target.get_input_embeddings().weight.detach()
+    draft = (PEagleDraft(config, resolve_mask_token_id(None, tokenizer, target.vocab_size),
+                         embedding) if kind == "peagle" else Eagle3Draft(config, embedding))
+    train = TrainConfig(steps=steps, warmup_steps=max(steps // 10, 1), lr=3e-3, grad_clip=1.0,
+                        ttt_steps=depth, precision="fp32")
+    learner = DraftLearner(draft, target.get_target_head(), vocab, train, torch.device("cpu"))
+    for step in range(steps):
+        learner.step(supervision[step % len(supervision)])
+    return draft.eval(), export_draft(draft, vocab, served, out, ttt_steps=depth)
+
+
+def _simulate(target, draft, vocab, prompts, answers, ks) -> dict[int, float]:
+    from eagle_ray.simulate import simulate_acceptance
+
+    return {k: simulate_acceptance(target, draft, vocab, prompts, answers, k)[0] for k in ks}
+
+
+def _serve(model_path: str, exports: dict[str, Path], prompts, ks, max_new_tokens: int, stops,
+           answers, rounds: int) -> dict[str, dict[int, tuple[float, bool, float]]]:
+    """Per kind and k: (vLLM's acceptance length, greedy output unchanged, output tokens/s)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eagle_ray.acceptance import AcceptanceTally
+    from eagle_ray.backends.vllm.runner import CPU_DEFAULTS, build_llm
+    from eagle_ray.serving import DraftServing
+
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0,
+                            stop_token_ids=list(stops), detokenize=False)
+    requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
+    results: dict[str, dict[int, tuple[float, bool, float]]] = {kind: {} for kind in exports}
+    for k in ks:
+        engines = {kind: build_llm({**CPU_DEFAULTS, **DraftServing.for_target(
+            model_path, folder, "float32").engine_kwargs(k), "max_model_len": 512,
+            "per_request_spec_decode_metrics": "summary"}, multiprocess=True)
+            for kind, folder in exports.items()}
+        try:
+            best, last = {kind: 0.0 for kind in exports}, {}
+            for _ in range(rounds):  # interleaved: drift on a shared machine hits both
+                for kind, llm in engines.items():
+                    start = time.perf_counter()
+                    last[kind] = llm.generate(requests, params, use_tqdm=False)
+                    elapsed = time.perf_counter() - start
+                    tokens = sum(len(o.outputs[0].token_ids) for o in last[kind])
+                    best[kind] = max(best[kind], tokens / elapsed)
+            for kind, outputs in last.items():
+                tally = AcceptanceTally.empty(k)
+                for output in outputs:
+                    if output.outputs[0].spec_decode_metrics is not None:
+                        tally.add(output.outputs[0].spec_decode_metrics.histogram)
+                unchanged = [list(o.outputs[0].token_ids) for o in outputs] == answers
+                results[kind][k] = (tally.length(), unchanged, best[kind])
+        finally:
+            for llm in engines.values():
+                llm.llm_engine.engine_core.shutdown()
+    return results
+
