@@ -47,7 +47,7 @@ def run_cache(config: JobConfig, log_to_driver: bool = True,
         data = prepare_job_data(config, served, tokenizer_at, tokenizer,
                                 pool.client(ClientConfig(max_inflight_micro_batches=16)),
                                 output_dir)
-        replicas = max(len(pool.status()["replicas"]), 1)
+        replicas = max(len(pool.pool_status().replicas), 1)
         client = pool.client(ClientConfig(max_inflight_micro_batches=4 * replicas))
         started = time.perf_counter()
         micro_batches = epoch_micro_batches(data.train, config.data,

@@ -121,7 +121,7 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float | None = None,
     text = target_config.get_text_config()
     draft_config = DraftConfig.from_target(target_config, min(job.data.draft_vocab_size,
                                                               text.vocab_size),
-                                           job.train.intermediate_size)
+                                           job.train.intermediate_size, job.draft.num_layers)
     rows = job.data.micro_batch_size
     seq = min(job.data.max_length, job.data.max_tokens_per_micro_batch // max(rows, 1))
     target_dtype = _dtype(job.target.dtype, text)

@@ -22,14 +22,14 @@ from typing import Any
 
 import ray
 
-from eagle_ray.config import ClientConfig, ConfigError, JobConfig, to_dict
+from eagle_ray.config import ClientConfig, ConfigError, JobConfig
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.report import write_report_png
 from eagle_ray.run_record import check_resumable, check_resumed_target, run_record
 from eagle_ray.serving import DraftServing
 from eagle_ray.supervision_cache import SupervisionCache
 from eagle_ray.tokenizer_files import check_tokenizer, load_tokenizer
-from eagle_ray.train_loop import train_loop_per_worker
+from eagle_ray.train_loop import SETUP_KEY, WorkerSetup, train_loop_per_worker
 
 logger = logging.getLogger(__name__)
 
@@ -92,17 +92,12 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
             pool.client(ClientConfig(max_inflight_micro_batches=16)), output_dir)
         config = with_steps_from_epochs(config, data.micro_batches_per_epoch)
         board = ProgressBoard.remote()
-        trainer = torch_trainer(config, data, output_dir, {
-            "job": to_dict(config),
-            "model_path": model_path,
-            "target": served.to_dict(),
-            "pad_id": tokenizer.pad_token_id or 0,
-            "mask_token_id": mask_token_id(config, tokenizer, served),
-            "draft_to_target": data.vocab.draft_to_target.tolist(),
-            "output_dir": str(output_dir),
-            "progress": board,
-            "run_record": run_record(config, served),
-        })
+        trainer = torch_trainer(config, data, output_dir, WorkerSetup(
+            job=config, model_path=model_path, served=served,
+            draft_to_target=data.vocab.draft_to_target.tolist(),
+            pad_id=tokenizer.pad_token_id or 0, output_dir=str(output_dir),
+            run_record=run_record(config, served),
+            mask_token_id=mask_token_id(config, tokenizer, served), progress=board))
         logger.info("training: %d Ray Train workers, %d steps", config.train.workers,
                     config.train.steps)
         with TrainingBar(board, config.train.steps, start=resumed.step if resumed else 0):
@@ -125,7 +120,7 @@ def with_steps_from_epochs(config: JobConfig, micro_batches_per_epoch: float | N
     return dataclasses.replace(config, train=dataclasses.replace(train, steps=steps, epochs=None))
 
 
-def torch_trainer(config: JobConfig, data, output_dir: Path, loop_config: dict[str, Any]):
+def torch_trainer(config: JobConfig, data, output_dir: Path, setup: WorkerSetup):
     """Ray Train's `TorchTrainer` for the job: its workers, resources, storage and failure
     handling (bounded, so a worker group that cannot start ends the job)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -134,7 +129,7 @@ def torch_trainer(config: JobConfig, data, output_dir: Path, loop_config: dict[s
     train = config.train
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config,
+        train_loop_config={SETUP_KEY: setup},
         datasets={"train": data.train} if data.train is not None else None,
         scaling_config=ScalingConfig(
             num_workers=train.workers, use_gpu=train.use_gpu,

@@ -10,6 +10,7 @@ for the target the pool served.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from eagle_ray.checkpoint import load_embedding_and_head
-from eagle_ray.config import ClientConfig, DataConfig, JobConfig, TrainConfig, from_dict
+from eagle_ray.config import ClientConfig, DataConfig, JobConfig, TrainConfig, to_dict
 from eagle_ray.data import padding_share, token_budget_micro_batches
 from eagle_ray.draft.export import export_draft
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
@@ -42,6 +43,23 @@ from eagle_ray.train_device import DevicePrefetcher, autocast_dtype
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "draft_state.pt"
+SETUP_KEY = "setup"  # Ray Train takes a dict: the WorkerSetup travels under this key
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSetup:
+    """What the driver hands every Ray Train worker: the job, the target the pool serves and
+    what the driver derived from the data (draft vocabulary, pad and mask tokens)."""
+
+    job: JobConfig
+    model_path: str  # the target checkpoint as the job names it (embedding and head)
+    served: TargetIdentity
+    draft_to_target: list[int]
+    pad_id: int
+    output_dir: str
+    run_record: dict[str, Any]  # saved beside every checkpoint (what a rerun may resume)
+    mask_token_id: int | None = None  # a P-EAGLE draft's
+    progress: Any = None  # the driver's `console.ProgressBoard` actor (rank 0 posts to it)
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -49,7 +67,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    job = from_dict(JobConfig, loop_config["job"])
+    setup: WorkerSetup = loop_config[SETUP_KEY]
+    job = setup.job
     train = job.train
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
@@ -58,14 +77,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if device.type == "cuda":
         # fp32 matmuls (fp32 precision, or what autocast leaves) use TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        check_worker_memory(job, loop_config["model_path"])
-    served = TargetIdentity.from_dict(loop_config["target"])
-    learner = DraftLearner.for_worker(loop_config, served, train, device)
+        check_worker_memory(job, setup.model_path)
+    learner = DraftLearner.for_worker(setup, device)
     start_step = learner.resume(ray.train.get_checkpoint(), rank)
-    micro_batches, supervision = _supervision(job, loop_config, rank, world, start_step)
+    micro_batches, supervision = _supervision(setup, rank, world, start_step)
     on_device = DevicePrefetcher(supervision, device)
     window = MetricsWindow(micro_batches, world)
-    outputs = RankOutputs(loop_config, job, rank)
+    outputs = RankOutputs(setup, rank)
     outputs.started(start_step)
     for step in range(start_step, train.steps):
         waited = time.perf_counter()
@@ -84,8 +102,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             ray.train.report(metrics)
     outputs.close()
     if rank == 0:
-        export_draft(learner.draft, learner.vocab, served,
-                     Path(loop_config["output_dir"]) / "draft", train.ttt_steps)
+        export_draft(learner.draft, learner.vocab, setup.served,
+                     Path(setup.output_dir) / "draft", train.ttt_steps)
 
 
 class DraftLearner:
@@ -108,19 +126,20 @@ class DraftLearner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(train))
 
     @classmethod
-    def for_worker(cls, loop_config: dict[str, Any], served: TargetIdentity,
-                   train: TrainConfig, device: torch.device) -> DraftLearner:
+    def for_worker(cls, setup: WorkerSetup, device: torch.device) -> DraftLearner:
         """A Ray Train worker's learner: the target's frozen embedding and head (fp32) from its
         checkpoint, the draft vocabulary the job chose, DDP through `prepare_model`."""
         import ray.train.torch
         from transformers import AutoConfig
 
-        target_config = AutoConfig.from_pretrained(loop_config["model_path"])
-        embedding, head = load_embedding_and_head(loop_config["model_path"], torch.float32)
-        vocab = DraftVocab(torch.tensor(loop_config["draft_to_target"]), served.vocab_size)
-        config = DraftConfig.from_target(target_config, vocab.size, train.intermediate_size)
-        if loop_config.get("mask_token_id") is not None:  # draft.kind peagle
-            draft = PEagleDraft(config, loop_config["mask_token_id"], embedding.weight)
+        train = setup.job.train
+        target_config = AutoConfig.from_pretrained(setup.model_path)
+        embedding, head = load_embedding_and_head(setup.model_path, torch.float32)
+        vocab = DraftVocab(torch.tensor(setup.draft_to_target), setup.served.vocab_size)
+        config = DraftConfig.from_target(target_config, vocab.size, train.intermediate_size,
+                                         setup.job.draft.num_layers)
+        if setup.mask_token_id is not None:  # draft.kind peagle
+            draft = PEagleDraft(config, setup.mask_token_id, embedding.weight)
         else:
             draft = Eagle3Draft(config, embedding.weight)
         return cls(draft, head, vocab, train, device, ray.train.torch.prepare_model)
@@ -161,13 +180,13 @@ class DraftLearner:
                 "scheduler": self.scheduler.state_dict(), "step": step}
 
 
-def _supervision(job: JobConfig, loop_config: dict[str, Any], rank: int, world: int,
-                 start_step: int) -> tuple[TimedIterator, Iterator]:
+def _supervision(setup: WorkerSetup, rank: int, world: int, start_step: int
+                 ) -> tuple[TimedIterator, Iterator]:
     """(the micro-batches read, timed; their supervision): from the supervision cache, or the
     worker's data shard streamed through the pool."""
     import ray.train
 
-    train = job.train
+    job, train = setup.job, setup.job.train
     if job.data.supervision_cache:
         # Supervision read from disk: the time spent reading counts as waiting for data.
         micro_batches = TimedIterator(SupervisionCache.open(job.data.supervision_cache).stream(
@@ -176,7 +195,7 @@ def _supervision(job: JobConfig, loop_config: dict[str, Any], rank: int, world: 
     client = PoolClient.connect(job.target.name, job.target.namespace,
                                 ClientConfig(max_inflight_micro_batches=train.prefetch))
     micro_batches = TimedIterator(itertools.islice(
-        shard_micro_batches(ray.train.get_dataset_shard("train"), job, loop_config["pad_id"],
+        shard_micro_batches(ray.train.get_dataset_shard("train"), job, setup.pad_id,
                             rank), train.steps - start_step))
     return micro_batches, client.stream(micro_batches)
 
@@ -231,13 +250,13 @@ class RankOutputs:
     progress bar (`console.ProgressBoard`) and the experiment trackers from rank 0; and
     checkpoints through `ray.train.report`."""
 
-    def __init__(self, loop_config: dict[str, Any], job: JobConfig, rank: int) -> None:
-        train = job.train
-        self.rank, self.record = rank, loop_config["run_record"]
-        self.metrics_path = Path(loop_config["output_dir"]) / "metrics.jsonl"
-        self.board = loop_config.get("progress") if rank == 0 else None
-        self.trackers = Trackers(train.loggers, Path(loop_config["output_dir"]), job.run_name,
-                                 loop_config["job"], train.mlflow_tracking_uri,
+    def __init__(self, setup: WorkerSetup, rank: int) -> None:
+        job, train = setup.job, setup.job.train
+        self.rank, self.record = rank, setup.run_record
+        self.metrics_path = Path(setup.output_dir) / "metrics.jsonl"
+        self.board = setup.progress if rank == 0 else None
+        self.trackers = Trackers(train.loggers, Path(setup.output_dir), job.run_name,
+                                 to_dict(job), train.mlflow_tracking_uri,
                                  train.mlflow_experiment) if rank == 0 and train.loggers else None
         self.telemetry = TrainerMetrics(job.run_name, rank)
 

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("name", ["tiny.yaml", "llama3.1-8b.yaml", "llama3.1-8b-colocated.yaml",
-                                  "llama3.1-8b-smoke.yaml", "qwen3-8b.yaml", "qwen3-30b-a3b.yaml"])
+                                  "llama3.1-8b-smoke.yaml", "qwen3-8b.yaml", "qwen3-30b-a3b.yaml",
+                                  "llama3.1-8b-peagle.yaml", "tiny-peagle.yaml"])
 def test_example_configs_load(name):
     config = load_yaml(JobConfig, ROOT / "examples" / name)
     assert config.train.workers >= 1

@@ -18,10 +18,10 @@ from eagle_ray.testing import random_micro_batch
 MASK = 0  # the kit's pad token: no text uses it
 
 
-@pytest.fixture(scope="module")
-def setup(hf_llama):
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-layer", "2-layer"])
+def setup(hf_llama, request):
     vocab = DraftVocab.from_token_counts(torch.arange(hf_llama.vocab_size) % 5 + 1, 128)
-    config = DraftConfig.from_target(hf_llama.model.config, vocab.size)
+    config = DraftConfig.from_target(hf_llama.model.config, vocab.size, num_layers=request.param)
     torch.manual_seed(0)
     draft = PEagleDraft(config, MASK, hf_llama.get_input_embeddings().weight.detach())
     for p in draft.parameters():  # away from the initialisation's symmetric norms
@@ -30,20 +30,9 @@ def setup(hf_llama):
     return hf_llama, vocab, config, draft.eval()
 
 
-def vllm_parallel_draft_logits(draft: PEagleDraft, aux: torch.Tensor, tokens: list[int],
-                               anchor: int, depth: int) -> torch.Tensor:
-    """What vLLM's parallel drafting computes for mask slot `depth` after anchor `anchor`,
-    written out independently: one causal pass over [the EAGLE-shifted context up to the anchor
-    (token t + 1 with features fc(g_t)), then `depth` mask slots (the mask token, fc(mask_hidden))]
-    at consecutive positions, plain causal softmax attention; the last slot's logits."""
-    layer, c = draft.midlayer, draft.config
-    ids = tokens[:anchor + 1] + [draft.mask_token_id] * depth
-    hidden = torch.cat([draft.fc(aux[:anchor + 1]),
-                        draft.fc(draft.mask_hidden).expand(depth, -1)])
-    x = torch.cat([layer.input_layernorm(draft.embed_tokens(torch.tensor(ids))),
-                   layer.hidden_norm(hidden)], dim=-1)[None]
+def causal_attention(attn, x: torch.Tensor, c: DraftConfig) -> torch.Tensor:
+    """Plain causal softmax attention over one sequence `x [1, n, width]`, positions 0..n-1."""
     n = x.shape[1]
-    attn = layer.self_attn
 
     def heads(proj, count):
         return proj(x).view(1, n, count, c.head_dim).transpose(1, 2)
@@ -55,15 +44,35 @@ def vllm_parallel_draft_logits(draft: PEagleDraft, aux: torch.Tensor, tokens: li
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(c.head_dim)
     scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-    out = attn.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(1, n, -1))
-    residual = hidden[None] + out
-    residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
+    return attn.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(1, n, -1))
+
+
+def vllm_parallel_draft_logits(draft: PEagleDraft, aux: torch.Tensor, tokens: list[int],
+                               anchor: int, depth: int) -> torch.Tensor:
+    """What vLLM's parallel drafting computes for mask slot `depth` after anchor `anchor`,
+    written out independently: one causal pass over [the EAGLE-shifted context up to the anchor
+    (token t + 1 with features fc(g_t)), then `depth` mask slots (the mask token, fc(mask_hidden))]
+    at consecutive positions, through every layer (vLLM's llama_eagle3: the fused first, then
+    plain pre-norm ones); the last slot's logits."""
+    first, c = draft.midlayer, draft.config
+    ids = tokens[:anchor + 1] + [draft.mask_token_id] * depth
+    hidden = torch.cat([draft.fc(aux[:anchor + 1]),
+                        draft.fc(draft.mask_hidden).expand(depth, -1)])[None]
+    x = torch.cat([first.input_layernorm(draft.embed_tokens(torch.tensor(ids)))[None],
+                   first.hidden_norm(hidden)], dim=-1)
+    residual = hidden + causal_attention(first.self_attn, x, c)
+    residual = residual + first.mlp(first.post_attention_layernorm(residual))
+    for layer in draft.layers.values():
+        residual = residual + causal_attention(layer.self_attn,
+                                               layer.input_layernorm(residual), c)
+        residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
     return draft.lm_head(draft.norm(residual))[0, -1]
 
 
 @torch.no_grad()
 def test_each_training_slot_is_what_vllm_computes_for_that_mask_slot(setup):
-    target, _, _, draft = setup
+    target, _, config, draft = setup
+    assert len(draft.layers) == config.num_layers - 1
     batch = target.generate_batch(*random_micro_batch(target.vocab_size, (21,), seed=7))
     aux, tokens = batch.aux_hidden_states[0], batch.input_ids[0].tolist()
     depths = 4
@@ -123,8 +132,10 @@ def test_the_objective_trains_and_the_export_is_what_vllm_reads(setup, llama_pat
     config_json = json.loads((out / "config.json").read_text())
     assert config_json["mask_token_id"] == MASK and config_json["num_aux_hidden_states"] == 3
     assert config_json["eagle_ray_draft_kind"] == "peagle"
+    assert config_json["num_hidden_layers"] == config.num_layers
     back, _ = load_exported_draft(out, target.get_input_embeddings().weight.detach())
     assert isinstance(back, PEagleDraft) and torch.equal(back.mask_hidden, draft.mask_hidden)
+    assert len(back.layers) == len(draft.layers)
     # The controls: what vLLM would load silently wrong is refused.
     (out / "config.json").write_text(json.dumps({**config_json, "num_aux_hidden_states": 2}))
     with pytest.raises(ValueError, match="num_aux_hidden_states 2"):

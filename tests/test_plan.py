@@ -9,6 +9,7 @@ from transformers import AutoConfig
 from eagle_ray.cli import main
 from eagle_ray.config import JobConfig, load_yaml
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
+from eagle_ray.draft.peagle import PEagleDraft
 from eagle_ray.memory import TensorMemoryProbe
 from eagle_ray.plan import (
     GIB,
@@ -27,20 +28,22 @@ from eagle_ray.testing import random_micro_batch
 
 RECIPES = {"llama3.1-8b": "llama-3.1-8b-instruct", "qwen3-8b": "qwen3-8b",
            "llama3.1-8b-smoke": "llama-3.1-8b-instruct",
-           "llama3.1-8b-colocated": "llama-3.1-8b-instruct", "qwen3-30b-a3b": "qwen3-30b-a3b"}
+           "llama3.1-8b-colocated": "llama-3.1-8b-instruct", "qwen3-30b-a3b": "qwen3-30b-a3b",
+           "llama3.1-8b-peagle": "llama-3.1-8b-instruct"}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_fake_step_peak_is_the_real_steps_peak_on_the_cpu(precision):
+@pytest.mark.parametrize(("kind", "layers"), [("eagle3", 1), ("peagle", 2)])
+def test_the_fake_step_peak_is_the_real_steps_peak_on_the_cpu(precision, kind, layers):
     config = DraftConfig(hidden_size=128, target_hidden_size=128, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=32, intermediate_size=256,
-                         vocab_size=512, draft_vocab_size=256)
+                         vocab_size=512, draft_vocab_size=256, num_layers=layers)
     rows, seq, steps = 2, 192, 3
     planned = trainer_memory(config, rows, seq, steps, torch.float32, precision == "bf16",
-                             ddp=False)["step_peak"]
+                             ddp=False, kind=kind)["step_peak"]
     # The same step for real: random values, real kernels.
     torch.manual_seed(0)
-    draft = Eagle3Draft(config)
+    draft = PEagleDraft(config, 0) if kind == "peagle" else Eagle3Draft(config)
     head = TargetHead(torch.nn.RMSNorm(128), torch.nn.Linear(128, 512, bias=False))
     head.requires_grad_(False)
     vocab = DraftVocab(torch.arange(256), 512)
@@ -55,7 +58,8 @@ def test_the_fake_step_peak_is_the_real_steps_peak_on_the_cpu(precision):
         probs, position_mask = draft_target(batch, vocab, head)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss, _, _ = ttt_loss(draft, batch.aux_hidden_states, batch.input_ids,
-                                  batch.loss_mask, probs, position_mask, steps)
+                                  batch.loss_mask, probs, position_mask, steps,
+                                  draft.step_inputs(batch.input_ids, steps))
         loss.backward()
     assert planned == pytest.approx(probe.peak, rel=0.05), (planned, probe.peak)
 

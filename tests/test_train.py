@@ -270,15 +270,17 @@ def test_the_printed_serve_command_serves_what_the_evaluation_served(trained):
 
 def test_a_peagle_draft_trains_exports_and_vllm_drafts_with_it_in_parallel(local_ray,
                                                                           tmp_path):
-    """`draft.kind: peagle` through the same job: the export carries what vLLM's parallel
-    drafting reads, the printed command turns it on, vLLM serving it leaves greedy output
-    unchanged, agrees with the simulation and accepts more than the untrained draft."""
+    """`draft.kind: peagle` (two layers) through the same job: the export carries what vLLM's
+    parallel drafting reads, the printed command turns it on, vLLM serving it leaves greedy
+    output unchanged, agrees with the simulation and accepts more than the untrained draft."""
     output_dir = tmp_path / "peagle"
-    summary = run_job(job(output_dir, "draft.kind=peagle", "run_name=peagle-test",
+    summary = run_job(job(output_dir, "draft.kind=peagle", "draft.num_layers=2",
+                          "run_name=peagle-test",
                           "train.loggers=[]", "eval.num_speculative_tokens=[3]",
                           "eval.temperatures=[0.0]"))
     config = json.loads((output_dir / "draft" / "config.json").read_text())
     assert config["eagle_ray_draft_kind"] == "peagle" and config["num_aux_hidden_states"] == 3
+    assert config["num_hidden_layers"] == 2
     assert config["mask_token_id"] == 0  # the kit's pad token: its vocabulary has no free id
     assert '"parallel_drafting": true' in summary["serve_command"]
     report = summary["eval"]

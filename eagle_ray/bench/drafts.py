@@ -59,8 +59,9 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
                  ratio=round(length / base[0], 3), greedy_unchanged=equal, **common)
             emit("drafts", "vllm_output_tokens_per_s", round(rate, 1), "tok/s",
                  ratio=round(rate / base[2], 3), **common)
-            emit("drafts", "draft_forwards_per_verify_step", 1 if kind == "peagle" else k,
-                 "forwards", **common)
+            forwards = 1 if kind == "peagle" else k
+            emit("drafts", "draft_forwards_per_verify_step", forwards, "forwards",
+                 ratio=round(forwards / k, 3), **common)
 
 
 def _supervision(target, tokenizer, samples: int):

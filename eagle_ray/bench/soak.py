@@ -30,6 +30,7 @@ import torch
 from eagle_ray.bench import NAMESPACE, SYNTHETIC, emit
 from eagle_ray.config import ClientConfig, PoolConfig
 from eagle_ray.pool import MicroBatchFailed, MicroBatchOutOfMemory, PoolClient, TargetPool
+from eagle_ray.pool.states import ReplicaState
 from eagle_ray.testing import random_micro_batch, synthetic_aux_states
 
 logger = logging.getLogger(__name__)
@@ -144,9 +145,9 @@ class _Clients:
 
 def _replica_pids(pool: TargetPool) -> dict[int, int]:
     pids = {}
-    for name, replica in pool.status()["replicas"].items():
-        if replica["state"] == "ready" and replica["pid"]:
-            pids[int(name.rsplit("-", 1)[1])] = replica["pid"]
+    for name, replica in pool.pool_status().replicas.items():
+        if replica.state is ReplicaState.READY and replica.pid:
+            pids[int(name.rsplit("-", 1)[1])] = replica.pid
     return pids
 
 

@@ -18,7 +18,7 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from eagle_ray.bench import NAMESPACE, best_seconds, emit
-from eagle_ray.pool.transport import LAYERS_KEY, batch_from_numpy, batch_to_numpy
+from eagle_ray.pool.transport import batch_from_numpy, batch_to_numpy, payload_arrays
 from eagle_ray.target_batch import Eagle3TargetBatch
 
 
@@ -69,7 +69,7 @@ def run(tokens: int = 8192, hidden: int = 4096, repeats: int = 5) -> None:
         sources = {where: _TransportSource.options(scheduling_strategy=on_node(node)).remote(
             tokens, hidden) for where, node in (("same_node", here), ("cross_node", other.node_id))}
         local = ray.get(sources["same_node"].fetch.remote())
-        arrays = [a for a, _ in local.values()]
+        arrays = payload_arrays(local)
         nbytes = sum(a.nbytes for a in arrays)
         warm = [np.empty_like(a) for a in arrays]
         del local
@@ -84,7 +84,7 @@ def run(tokens: int = 8192, hidden: int = 4096, repeats: int = 5) -> None:
         def mapped_and_read(source) -> None:
             payload = ray.get(source.fetch.remote())
             batch_from_numpy(payload)
-            copy_into_warm([entry[0] for name, entry in payload.items() if name != LAYERS_KEY])
+            copy_into_warm(payload_arrays(payload))
 
         copy_s = best_seconds(lambda: copy_into_warm(arrays), repeats)
         emit("transport", "bytes_per_s", round(nbytes / copy_s), "B/s", path="memcpy_warm",

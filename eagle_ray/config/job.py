@@ -122,6 +122,10 @@ class DraftSpec:
     `train.ttt_steps` steps); `peagle`: P-EAGLE, all k tokens in one forward (the k - 1 slots
     after the first read a mask token and a learned `mask_hidden`; served with vLLM's
     `parallel_drafting`; trained over `train.ttt_steps` depths)."""
+    num_layers: int = 1
+    """Decoder layers: the first reads [embedding ; features] as EAGLE-3's one does, the rest
+    are plain Llama layers (vLLM loads any number). The P-EAGLE references train 4: its mask
+    slots carry no content of their own into the first layer (docs/training.md)."""
     mask_token_id: int | None = None
     """P-EAGLE's mask token (a target token id no text uses); None: the first id past the
     tokenizer where the vocabulary has room (Qwen's padded vocabularies), else the pad token."""
@@ -213,6 +217,8 @@ class JobConfig:
                               f"both set: give one (epochs: the job derives the steps)")
         if train.epochs is not None and train.epochs <= 0:
             raise ConfigError(f"train.epochs must be > 0, got {train.epochs}")
+        if self.draft.num_layers < 1:
+            raise ConfigError(f"draft.num_layers must be >= 1, got {self.draft.num_layers}")
         if train.steps is None and train.epochs is None:
             train.steps = DEFAULT_STEPS
         if self.regenerate.max_new_tokens is None:

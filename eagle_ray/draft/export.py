@@ -56,7 +56,7 @@ def export_draft(draft: Eagle3Draft, vocab: DraftVocab, target: TargetIdentity,
         "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads,
         "head_dim": c.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": c.num_layers,
         "vocab_size": c.vocab_size,
         "draft_vocab_size": c.draft_vocab_size,
         "rms_norm_eps": c.rms_norm_eps,
@@ -112,6 +112,8 @@ def validate_export(path: str | Path, target: TargetIdentity) -> None:
         "norm.weight": (hidden,),
         "lm_head.weight": (draft_vocab, hidden),
         **({} if full_vocabulary else {"d2t": (draft_vocab,)}),
+        **{f"layers.{i}.{name}": shape for i in range(1, config["num_hidden_layers"])
+           for name, shape in _plain_layer_shapes(config).items()},
         **({"mask_hidden": (1, layers * target.hidden_size)}
            if config.get(KIND_KEY) == "peagle" else {}),
     }
@@ -146,6 +148,18 @@ def validate_export(path: str | Path, target: TargetIdentity) -> None:
             problems.append("d2t does not map to distinct ascending target ids")
     if problems:
         raise ValueError(f"draft export {path} is not servable: " + "; ".join(problems))
+
+
+def _plain_layer_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """A layer after the first: a Llama layer reading H (vLLM's `layers.i`, i >= 1)."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    q, kv = (config["num_attention_heads"] * config["head_dim"],
+             config["num_key_value_heads"] * config["head_dim"])
+    return {"self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
+            "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
+            "mlp.gate_proj.weight": (inner, hidden), "mlp.up_proj.weight": (inner, hidden),
+            "mlp.down_proj.weight": (hidden, inner), "input_layernorm.weight": (hidden,),
+            "post_attention_layernorm.weight": (hidden,)}
 
 
 def _parallel_drafting_keys(draft: Eagle3Draft) -> dict:
@@ -200,7 +214,8 @@ def load_exported_draft(path: str | Path, embedding_weight: torch.Tensor
         intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
         draft_vocab_size=config["draft_vocab_size"], rms_norm_eps=config["rms_norm_eps"],
         rope_theta=config["rope_theta"],
-        max_position_embeddings=config["max_position_embeddings"])
+        max_position_embeddings=config["max_position_embeddings"],
+        num_layers=config.get("num_hidden_layers", 1))
     weights = load_file(str(path / WEIGHTS_FILE))
     d2t = weights.pop("d2t", torch.zeros(config["draft_vocab_size"], dtype=torch.int64))
     weights.pop("t2d", None)

@@ -43,11 +43,12 @@ class DraftConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     num_aux_layers: int = 3
+    num_layers: int = 1  # decoder layers: the fused first (`midlayer`), then plain Llama ones
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int,
-                    intermediate_size: int | None = None) -> DraftConfig:
-        """A draft shaped like one layer of the target (the usual EAGLE-3 choice)."""
+                    intermediate_size: int | None = None, num_layers: int = 1) -> DraftConfig:
+        """A draft whose layers are shaped like the target's (one: the usual EAGLE-3 choice)."""
         t = target_config.get_text_config()
         head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
         rope = getattr(t, "rope_parameters", None) or {}
@@ -60,6 +61,7 @@ class DraftConfig:
             rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))),
             max_position_embeddings=getattr(t, "max_position_embeddings", 2048),
+            num_layers=num_layers,
         )
 
 
@@ -168,18 +170,20 @@ class DraftAttention(nn.Module):
     own slot) are all real; padded slots only ever see each other and carry no loss.
     """
 
-    def __init__(self, c: DraftConfig, attention: AttentionFn = ttt_attention) -> None:
+    def __init__(self, c: DraftConfig, attention: AttentionFn = ttt_attention,
+                 width: int = 2) -> None:
         super().__init__()
         self.c = c
         self.attention = attention
-        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        inputs = width * c.hidden_size  # the fused first layer reads [embedding ; hidden]
+        self.q_proj = nn.Linear(inputs, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(inputs, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(inputs, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 cache: tuple[list[torch.Tensor], list[torch.Tensor]]) -> torch.Tensor:
-        """x: [B, S, 2H]; cache: keys and values of earlier TTT steps, appended to here."""
+        """x: [B, S, width x H]; cache: keys and values of earlier TTT steps, appended to."""
         c = self.c
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, c.num_attention_heads, c.head_dim).transpose(1, 2)
@@ -222,8 +226,25 @@ class DraftLayer(nn.Module):
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
+class DecoderLayer(nn.Module):
+    """A draft layer after the first (vLLM's `layers.i`, i >= 1): a pre-norm Llama layer on the
+    residual stream, with its own TTT keys and values."""
+
+    def __init__(self, c: DraftConfig, attention: AttentionFn = ttt_attention) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = DraftAttention(c, attention, width=1)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = DraftMLP(c)
+
+    def forward(self, hidden, positions, cache):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
 class Eagle3Draft(nn.Module):
-    """The draft: frozen target embedding, `fc`, one `midlayer`, `norm`, draft-vocab `lm_head`.
+    """The draft: frozen target embedding, `fc`, the fused `midlayer` (and `num_layers - 1`
+    plain layers after it), `norm`, draft-vocab `lm_head`.
 
     Chain drafting: step k reads the token drafted by step k - 1 and the hidden state step k - 1
     produced (`step_inputs`, `next_step_hidden`), one draft forward per drafted token.
@@ -242,6 +263,9 @@ class Eagle3Draft(nn.Module):
         self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size,
                             config.hidden_size, bias=False)
         self.midlayer = DraftLayer(config, attention)
+        # Named as vLLM loads them (`midlayer` is its `layers.0`).
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, attention)
+                                     for i in range(1, config.num_layers)})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
 
@@ -264,10 +288,13 @@ class Eagle3Draft(nn.Module):
         if not torch.is_autocast_enabled(device.type):
             aux_hidden_states = aux_hidden_states.to(self.fc.weight.dtype)
         hidden = first = self.fc(aux_hidden_states)  # [B, S, H]
-        cache: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        caches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [
+            ([], []) for _ in range(self.config.num_layers)]  # one per layer
         logits = []
         for k, ids in enumerate(step_input_ids):
-            out = self.midlayer(self.embed_tokens(ids), hidden, base + k, cache)
+            out = self.midlayer(self.embed_tokens(ids), hidden, base + k, caches[0])
+            for layer, cache in zip(self.layers.values(), caches[1:], strict=True):
+                out = layer(out, base + k, cache)
             logits.append(self.lm_head(self.norm(out)))
             hidden = self.next_step_hidden(out, first)
         return logits

@@ -41,6 +41,7 @@ import torch
 from eagle_ray.config.loader import ConfigError
 from eagle_ray.config.pool import ClientConfig
 from eagle_ray.identity import TargetIdentity
+from eagle_ray.pool.states import ReplicaState
 from eagle_ray.target_batch import Eagle3TargetBatch
 
 if TYPE_CHECKING:
@@ -152,8 +153,8 @@ def size_window(pool: TargetPool, tokens_per_micro_batch: int, *, clients: int =
 
     info = ray.get(pool.router.target_info.remote(timeout_s))
     if replicas is None:
-        status = pool.status()["replicas"].values()
-        replicas = max(1, sum(r["state"] != "failed" for r in status))
+        status = pool.pool_status().replicas.values()
+        replicas = max(1, sum(r.state is not ReplicaState.FAILED for r in status))
     cap = max_outstanding_tokens_per_replica or pool.config.max_outstanding_tokens_per_replica
     return window_config(tokens_per_micro_batch, replicas=replicas,
                          max_tokens_per_engine_call=info.max_tokens_per_engine_call,

@@ -14,7 +14,7 @@ from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.pool.controller import PoolController
 from eagle_ray.pool.placement import replica_bundle
-from eagle_ray.pool.protocol import ReplicaStartupError
+from eagle_ray.pool.protocol import PoolStatus, ReplicaStartupError
 from eagle_ray.pool.replicas import (
     kill_replica,
     pending_placement_groups,
@@ -23,6 +23,7 @@ from eagle_ray.pool.replicas import (
     start_replica,
 )
 from eagle_ray.pool.router import PoolRouter
+from eagle_ray.pool.states import ReplicaState
 
 if TYPE_CHECKING:
     from eagle_ray.pool.client import PoolClient
@@ -142,40 +143,44 @@ class TargetPool:
         engine's message) when too few are left to reach `min_replicas`."""
         started = time.monotonic()
         while True:
-            status = self.status()
-            if status["ready_replicas"] >= min_replicas:
-                return status
-            failed = {name: r["error"] for name, r in status["replicas"].items()
-                      if r["state"] == "failed"}
-            if failed and len(status["replicas"]) - len(failed) < min_replicas:
-                raise ReplicaStartupError.of(self.config.name, failed, len(status["replicas"]))
+            status = self.pool_status()
+            if status.ready_replicas >= min_replicas:
+                return status.to_dict()
+            failed = {name: r.error for name, r in status.replicas.items()
+                      if r.state is ReplicaState.FAILED}
+            if failed and len(status.replicas) - len(failed) < min_replicas:
+                raise ReplicaStartupError.of(self.config.name, failed, len(status.replicas))
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(self._not_ready(status, min_replicas, timeout_s))
             time.sleep(0.5)
 
-    def _not_ready(self, status: dict[str, Any], min_replicas: int, waited_s: float) -> str:
+    def _not_ready(self, status: PoolStatus, min_replicas: int, waited_s: float) -> str:
         """Why replicas are not ready: no resources yet, or still starting, or not answering."""
-        states = [r["state"] for r in status["replicas"].values()]
+        states = [r.state for r in status.replicas.values()]
         pending = pending_placement_groups(self.config)
         reasons = []
         if pending:
             reasons.append(f"no resources yet: {pending} placement group(s) pending, each "
                            f"{replica_bundle(self.config)} on one node (add nodes, or let the "
                            f"autoscaler)")
-        starting = states.count("starting") - pending
+        starting = states.count(ReplicaState.STARTING) - pending
         if starting > 0:
             reasons.append(f"{starting} replica(s) placed and still starting after "
                            f"{waited_s:.0f}s (loading the engine; raise ready_timeout_s for a "
                            f"large checkpoint)")
-        if "suspect" in states:
-            reasons.append(f"{states.count('suspect')} replica(s) not answering")
-        return (f"only {status['ready_replicas']} of {min_replicas} replicas ready after "
+        if ReplicaState.SUSPECT in states:
+            reasons.append(f"{states.count(ReplicaState.SUSPECT)} replica(s) not answering")
+        return (f"only {status.ready_replicas} of {min_replicas} replicas ready after "
                 f"{waited_s:.0f}s: " + "; ".join(reasons or ["no replica was started"]))
 
-    def status(self) -> dict[str, Any]:
-        """The router's view (`PoolStatus`) as JSON-ready data: per replica state, outstanding
+    def pool_status(self) -> PoolStatus:
+        """The router's view, typed (states as `ReplicaState`): per replica state, outstanding
         tokens, tokens/s, errors, restarts; demand, leases, autoscaling."""
-        return self._call_router("status").to_dict()
+        return self._call_router("status")
+
+    def status(self) -> dict[str, Any]:
+        """`pool_status()` as JSON-ready data (states as their values: the CLI's view)."""
+        return self.pool_status().to_dict()
 
     def identity(self, timeout_s: float = 600.0) -> TargetIdentity:
         """What the pool serves (checkpoint, fingerprint, layers, vocabulary, aux ids), as a

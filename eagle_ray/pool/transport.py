@@ -71,6 +71,11 @@ def _fields(payload: Payload) -> Iterator[tuple[str, tuple]]:
     return ((name, entry) for name, entry in payload.items() if name != LAYERS_KEY)
 
 
+def payload_arrays(payload: Payload) -> list[np.ndarray]:
+    """The payload's value arrays (what travels in bulk), field by field."""
+    return [entry[0] for _, entry in _fields(payload)]
+
+
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     tensor = tensor.contiguous()
     view = _VIEW_AS.get(tensor.dtype)
