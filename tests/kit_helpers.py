@@ -5,7 +5,7 @@ import torch
 from transformers import AutoTokenizer
 
 from eagle_ray.backends.hf import HFEagle3TargetModel
-from eagle_ray.data import tokenize_chats
+from eagle_ray.data import answer_token_counts, tokenize_chats
 from eagle_ray.supervision import DraftVocab
 from eagle_ray.tiny import generate_chat_samples, tiny_target
 
@@ -19,7 +19,5 @@ def kit_rows(num_samples: int, seed: int, draft_vocab_size: int = 256):
     samples = [(f"sample {i}", s["messages"]) for i, s in
                enumerate(generate_chat_samples(num_samples, seed=seed))]
     rows = tokenize_chats(samples, tokenizer, 256, target.vocab_size).rows
-    counts = torch.zeros(target.vocab_size)
-    for ids, mask in rows:
-        counts.index_add_(0, torch.tensor(ids), torch.tensor(mask, dtype=torch.float))
+    counts = answer_token_counts(rows, target.vocab_size)
     return target, tokenizer, rows, DraftVocab.from_token_counts(counts, draft_vocab_size)

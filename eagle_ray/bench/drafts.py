@@ -66,17 +66,15 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
 
 def _supervision(target, tokenizer, samples: int):
     """The kit's chats as the target's supervision (fp32), and their draft vocabulary."""
-    from eagle_ray.data import make_micro_batches, tokenize_chats
+    from eagle_ray.data import answer_token_counts, make_micro_batches, tokenize_chats
     from eagle_ray.supervision import DraftVocab
     from eagle_ray.tiny import generate_chat_samples
 
     chats = [(f"sample {i}", s["messages"])
              for i, s in enumerate(generate_chat_samples(samples, seed=5))]
     rows = tokenize_chats(chats, tokenizer, 256, target.vocab_size).rows
-    counts = torch.zeros(target.vocab_size)
-    for ids, mask in rows:
-        counts.index_add_(0, torch.tensor(ids), torch.tensor(mask, dtype=torch.float))
-    vocab = DraftVocab.from_token_counts(counts, min(256, target.vocab_size))
+    vocab = DraftVocab.from_token_counts(answer_token_counts(rows, target.vocab_size),
+                                         min(256, target.vocab_size))
     return [target.generate_batch(*mb) for mb in make_micro_batches(rows, 8)], vocab
 
 

@@ -49,10 +49,9 @@ class PEagleDraft(Eagle3Draft):
         return [input_ids] + [torch.full_like(input_ids, self.mask_token_id)] * (steps - 1)
 
     def next_step_hidden(self, out: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        """Every mask slot reads `fc(mask_hidden)`, not the step before's output."""
-        mask = self.mask_hidden.to(first.dtype if not torch.is_autocast_enabled(
-            first.device.type) else self.mask_hidden.dtype)
-        return self.fc(mask).expand_as(first)
+        """Every mask slot reads `fc(mask_hidden)`, not the step before's output (a parameter
+        beside `fc`'s weight: same dtype and device; autocast casts as it casts the aux states)."""
+        return self.fc(self.mask_hidden).expand_as(first)
 
     def propose(self, aux_hidden_states: torch.Tensor, seq: list[int], next_token: int, k: int,
                 draft_to_target: torch.Tensor) -> list[int]:
