@@ -31,7 +31,12 @@ from eagle_ray.config import ConfigError, EvalConfig, PoolConfig
 from eagle_ray.draft.export import load_exported_draft
 from eagle_ray.eval_prompts import EvalPrompt, EvalPrompts, read_eval_prompts
 from eagle_ray.serving import DraftServing
-from eagle_ray.simulate import simulate_acceptance, simulate_sampled, target_top_probability
+from eagle_ray.simulate import (
+    draft_seconds_per_verify_step,
+    simulate_acceptance,
+    simulate_sampled,
+    target_top_probability,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -159,11 +164,14 @@ def _simulate(serving: DraftServing, prompts: EvalPrompts, tokenizer, eval_confi
         "num_speculative_tokens": list(eval_config.num_speculative_tokens),
         "temperatures": list(eval_config.temperatures), "simulated": [],
         # What parallel drafting is for: vLLM runs one draft forward per verify step for a
-        # P-EAGLE draft, k (one per drafted token) for an EAGLE-3 chain.
+        # P-EAGLE or DFlash draft, k (one per drafted token) for an EAGLE-3 chain.
         "draft": {"kind": trained.kind, "forwards_per_verify_step": {
-            str(k): 1 if serving.parallel_drafting else k
+            str(k): 1 if trained.drafts_in_parallel else k
             for k in eval_config.num_speculative_tokens}},
         "served_with": dataclasses.asdict(serving)}
+    report["draft"]["seconds_per_verify_step"] = {
+        str(k): draft_seconds_per_verify_step(target, trained, vocab, turn_prompts[:4], k)
+        for k in eval_config.num_speculative_tokens}
     continuations = greedy([], turn_prompts)
     report["target_top_probability"] = target_top_probability(target, turn_prompts,
                                                                continuations)

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from eagle_ray.config import JobConfig
-from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
-from eagle_ray.draft.peagle import PEagleDraft
+from eagle_ray.draft.kinds import build_draft
+from eagle_ray.draft.model import DraftConfig
 from eagle_ray.memory import TensorMemoryProbe
 from eagle_ray.supervision import DraftVocab, draft_target
 from eagle_ray.target_batch import NUM_AUX_LAYERS, Eagle3TargetBatch
@@ -119,32 +119,35 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float | None = None,
     gpu_memory_gib, memory_source = gpu_memory(
         job.train.gpu_memory_gib if gpu_memory_gib is None else gpu_memory_gib)
     text = target_config.get_text_config()
+    aux_layers = len(job.target.aux_layer_ids or ()) or NUM_AUX_LAYERS
     draft_config = DraftConfig.from_target(target_config, min(job.data.draft_vocab_size,
                                                               text.vocab_size),
-                                           job.train.intermediate_size, job.draft.num_layers)
+                                           job.train.intermediate_size, job.draft.num_layers,
+                                           aux_layers)
     rows = job.data.micro_batch_size
     seq = min(job.data.max_length, job.data.max_tokens_per_micro_batch // max(rows, 1))
     target_dtype = _dtype(job.target.dtype, text)
     bf16 = job.train.precision in ("auto", "bf16")  # on a GPU with bf16, as recipes assume
     trainer = trainer_memory(draft_config, rows, seq, job.train.ttt_steps, target_dtype, bf16,
-                             ddp=job.train.workers > 1, kind=job.draft.kind)
+                             ddp=job.train.workers > 1, kind=job.draft.kind,
+                             anchors_per_row=job.draft.anchors_per_row)
     parameters, active_parameters = parameter_counts(target_config)
     replica, kv_tokens = replica_memory(target_config, parameters, target_dtype,
                                         job.target.tp_size, job.target.vllm_kwargs,
                                         gpu_memory_gib)
     hidden = text.hidden_size
     if job.target.encoding_dtype == "fp8":
-        per_token = (NUM_AUX_LAYERS + 1) * hidden + 4 * (NUM_AUX_LAYERS + 1)
+        per_token = (aux_layers + 1) * hidden + 4 * (aux_layers + 1)
     else:
-        per_token = (NUM_AUX_LAYERS + 1) * hidden * target_dtype.itemsize
+        per_token = (aux_layers + 1) * hidden * target_dtype.itemsize
     flops = mfu * gpu_tflops * 1e12
     draft_trainable = sum(p.numel() for p in _meta_draft(draft_config, job.draft.kind)
                           .parameters() if p.requires_grad)
     # Prefill: 2 FLOPs per parameter a token passes through (a mixture of experts' active ones).
-    # Training: 6 per trainable draft parameter per token per TTT step, plus the target head's
-    # decoding (2 x H x V).
+    # Training: 6 per trainable draft parameter per draft pass of a token, plus the target
+    # head's decoding (2 x H x V).
     replica_rate = flops * job.target.tp_size / (2 * active_parameters)
-    trainer_rate = flops / (6 * draft_trainable * job.train.ttt_steps
+    trainer_rate = flops / (6 * draft_trainable * draft_passes_per_token(job, seq)
                             + 2 * hidden * text.vocab_size)
     scaling = job.target.autoscaling
     return Plan(trainer=trainer, replica=replica, kv_cache_tokens=kv_tokens,
@@ -233,14 +236,14 @@ def check_replica_fits(plan: Plan, max_model_len: int) -> None:
 
 def trainer_memory(config: DraftConfig, rows: int, seq: int, ttt_steps: int,
                    supervision_dtype: torch.dtype, bf16: bool, ddp: bool,
-                   kind: str = "eagle3") -> dict[str, int]:
+                   kind: str = "eagle3", anchors_per_row: int = 512) -> dict[str, int]:
     """Bytes of one trainer worker: fp32 weights (the draft of `kind` with the target's frozen
     embedding, and the target head it decodes with), gradients, AdamW state, DDP's gradient
     buckets, and the peak of one training step at `rows x seq` tokens, measured on fake
     tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    draft = _meta_draft(config, kind)
+    draft = _meta_draft(config, kind, anchors_per_row)
     trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad) * 4
     weights = sum(p.numel() for p in draft.parameters()) * 4
     head_weights = (config.vocab_size + 1) * config.hidden_size * 4
@@ -252,12 +255,12 @@ def trainer_memory(config: DraftConfig, rows: int, seq: int, ttt_steps: int,
         draft = draft.to_empty(device="cpu")
         head = head.to_empty(device="cpu").requires_grad_(False)
         with TensorMemoryProbe() as probe:
-            batch = _fake_batch(rows, seq, config.target_hidden_size, supervision_dtype)
+            batch = _fake_batch(rows, seq, config.target_hidden_size, supervision_dtype,
+                                config.num_aux_layers)
             probs, position_mask = draft_target(batch, vocab, head)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss, _, _ = ttt_loss(draft, batch.aux_hidden_states, batch.input_ids,
-                                      batch.loss_mask, probs, position_mask, ttt_steps,
-                                      draft.step_inputs(batch.input_ids, ttt_steps))
+                loss, _, _ = draft.objective(draft, batch.aux_hidden_states, batch.input_ids,
+                                             batch.loss_mask, probs, position_mask, ttt_steps)
             loss.backward()
     batch_bytes = batch.nbytes  # the prefetcher holds the next one on the device too
     parts = {"weights": weights + head_weights, "optimizer": 2 * trainable,
@@ -288,18 +291,28 @@ def replica_memory(target_config, parameters: int, dtype: torch.dtype, tp_size: 
     return {**parts, "total": sum(parts.values())}, kv_cache // per_token
 
 
-def _fake_batch(rows: int, seq: int, hidden: int, dtype: torch.dtype) -> Eagle3TargetBatch:
+def draft_passes_per_token(job: JobConfig, seq: int) -> float:
+    """Draft forward passes a supervised token costs: one per TTT step (EAGLE-3, P-EAGLE);
+    DFlash: its blocks' slots per row token (`min(anchors, seq) x block_size / seq`)."""
+    if job.draft.kind == "dflash":
+        return min(job.draft.anchors_per_row, seq) * (job.train.ttt_steps + 1) / seq
+    return job.train.ttt_steps
+
+
+def _fake_batch(rows: int, seq: int, hidden: int, dtype: torch.dtype, aux_layers: int
+                ) -> Eagle3TargetBatch:
     ids = torch.zeros(rows, seq, dtype=torch.long)
     mask = torch.ones(rows, seq, dtype=torch.long)
     return Eagle3TargetBatch(
-        aux_hidden_states=torch.empty(rows, seq, NUM_AUX_LAYERS * hidden, dtype=dtype),
+        aux_hidden_states=torch.empty(rows, seq, aux_layers * hidden, dtype=dtype),
         input_ids=ids, attention_mask=mask, loss_mask=mask,
-        last_hidden=torch.empty(rows, seq, hidden, dtype=dtype))
+        last_hidden=torch.empty(rows, seq, hidden, dtype=dtype), num_aux_layers=aux_layers)
 
 
-def _meta_draft(config: DraftConfig, kind: str = "eagle3") -> Eagle3Draft:
+def _meta_draft(config: DraftConfig, kind: str = "eagle3", anchors_per_row: int = 512
+                ) -> nn.Module:
     with torch.device("meta"):
-        return PEagleDraft(config, 0) if kind == "peagle" else Eagle3Draft(config)
+        return build_draft(kind, config, mask_token_id=0, anchors_per_row=anchors_per_row)
 
 
 def parameter_counts(target_config) -> tuple[int, int]:

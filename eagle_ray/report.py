@@ -10,7 +10,8 @@ from typing import Any
 REPORT_SIZE_PX = (1500, 800)
 TRAINING_ONLY_SIZE_PX = (1500, 440)  # a run that did not evaluate: the training row alone
 DISAGREEMENT = 0.25  # acceptance length between vLLM and the simulation worth a line
-DRAFT_KIND_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE (parallel drafting)"}
+DRAFT_KIND_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE (parallel drafting)",
+                    "dflash": "DFlash (block drafting)"}
 
 
 def _ttt_values(metrics: dict[str, Any], name: str) -> list[float]:
@@ -70,10 +71,12 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
                      f"{report['target_top_probability']:.2f} (near 1, sampling picks what "
                      f"greedy does)")
     if "draft" in report:  # what parallel drafting is for
-        forwards = report["draft"]["forwards_per_verify_step"]
-        lines.append(f"  draft       {DRAFT_KIND_NAMES.get(report['draft']['kind'])}: draft "
-                     f"forwards per verify step " + ", ".join(
-                         f"{n} at k={k}" for k, n in forwards.items()))
+        draft = report["draft"]
+        seconds = draft.get("seconds_per_verify_step", {})
+        lines.append(f"  draft       {DRAFT_KIND_NAMES.get(draft['kind'])}: per verify step "
+                     + ", ".join(f"{n} forward(s)" + (f" {1e3 * seconds[k]:.1f} ms"
+                                                      if k in seconds else "") + f" at k={k}"
+                                 for k, n in draft["forwards_per_verify_step"].items()))
     lines += [f"  acceptance  length (1 + accepted / verify steps) on {report['prompts']} "
               f"prompts ({report['turns']} turns){'; 95% intervals' if measured else ''}",
               _row("", [_setting(c) for c in columns], width)]

@@ -1,7 +1,7 @@
 """How vLLM serves an exported draft. The evaluation's engine and the `vllm serve` command a job
 prints are both built from one `DraftServing`, so the command is exactly what was evaluated:
-the target's checkpoint, dtype and tensor-parallel size, and the draft as its `eagle3`
-speculative model.
+the target's checkpoint, dtype and tensor-parallel size, and the draft as its speculative model
+(`eagle3` for EAGLE-3 and P-EAGLE drafts, `dflash` for DFlash ones).
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ TP_EXECUTOR = "mp"  # as the pool's replicas: the TP ranks are the process's own
 
 @dataclasses.dataclass(frozen=True)
 class DraftServing:
-    """A draft served by vLLM as its target's EAGLE-3 speculative model (chained, or in
-    parallel for a P-EAGLE draft)."""
+    """A draft served by vLLM as its target's speculative model: EAGLE-3 (chained), P-EAGLE
+    (an `eagle3` draft drafting in parallel) or DFlash (the `dflash` method)."""
 
     model_path: str
     draft_dir: str
     dtype: str  # the target's dtype as vLLM names it ("bfloat16", "float32", ...)
     tp_size: int = 1
     tokenizer: str | None = None  # the target's tokenizer, where its folder has none
-    parallel_drafting: bool = False  # a P-EAGLE draft: all k tokens in one forward
+    kind: str = "eagle3"  # the exported draft's kind (`DraftSpec.kind`)
 
     @classmethod
     def for_target(cls, model_path: str, draft_dir: str | Path, dtype: str = "auto",
@@ -39,14 +39,16 @@ class DraftServing:
         text_config = AutoConfig.from_pretrained(model_path).get_text_config()
         resolved = resolve_dtype(None if dtype == "auto" else dtype, text_config)
         return cls(str(model_path), str(draft_dir), str(resolved).removeprefix("torch."),
-                   tp_size, tokenizer, parallel_drafting=exported_kind(draft_dir) == "peagle")
+                   tp_size, tokenizer, exported_kind(draft_dir))
 
     def speculative_config(self, k: int) -> dict[str, Any]:
         """vLLM's `speculative_config` drafting `k` tokens per step: chained for an EAGLE-3
         draft, in one forward for a P-EAGLE one (`parallel_drafting`, which vLLM never turns on
-        by itself for an `eagle3` draft: without it the draft would run as a plain chain)."""
-        spec = {"method": "eagle3", "model": self.draft_dir, "num_speculative_tokens": k}
-        if self.parallel_drafting:
+        by itself for an `eagle3` draft: without it the draft would run as a plain chain), one
+        block of 1 + k slots for a DFlash one (the `dflash` method drafts in parallel)."""
+        method = "dflash" if self.kind == "dflash" else "eagle3"
+        spec = {"method": method, "model": self.draft_dir, "num_speculative_tokens": k}
+        if self.kind == "peagle":
             spec["parallel_drafting"] = True
         return spec
 
@@ -62,7 +64,7 @@ class DraftServing:
         return kwargs
 
     def command(self, k: int) -> str:
-        """`vllm serve` with the draft as the target's EAGLE-3 speculative model at `k`."""
+        """`vllm serve` with the draft as the target's speculative model at `k`."""
         parts = ["vllm", "serve", shlex.quote(self.model_path), "--dtype", self.dtype]
         if self.tp_size > 1:
             parts += ["--tensor-parallel-size", str(self.tp_size)]

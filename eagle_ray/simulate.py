@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
+import time
 
 import torch
 
@@ -36,6 +38,31 @@ def draft_chain(draft: Eagle3Draft, vocab: DraftVocab, aux_hidden_states: torch.
     drafts with it (`Eagle3Draft.propose`: a chain, one forward per token; P-EAGLE: one pass)."""
     proposed = draft.propose(aux_hidden_states, seq, next_token, k, vocab.draft_to_target)
     return [int(vocab.draft_to_target[i]) for i in proposed]
+
+
+@torch.inference_mode()
+def draft_seconds_per_verify_step(target: HFEagle3TargetModel, draft: Eagle3Draft,
+                                  vocab: DraftVocab, prompts: list[list[int]], k: int,
+                                  repeats: int = 3) -> float:
+    """Median wall time of the draft's proposal for one verify step after each prompt, on the
+    draft's device: what vLLM runs per step (k forwards for a chain, one for parallel
+    drafting) without the engine around it. Nothing asserts it: a measurement, not a rule."""
+    seconds = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        aux = target.runner.run(ids, torch.ones_like(ids)).aux_hidden_states
+        for _ in range(repeats):
+            _synchronize(aux.device)
+            start = time.perf_counter()
+            draft_chain(draft, vocab, aux, prompt, prompt[-1], k)
+            _synchronize(aux.device)
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds) if seconds else math.nan
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()

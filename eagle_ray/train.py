@@ -287,8 +287,10 @@ def check_data_on_the_cluster(config: JobConfig) -> None:
 
 
 def mask_token_id(config: JobConfig, tokenizer, served: TargetIdentity) -> int | None:
-    """The P-EAGLE draft's mask token (None for a draft without one)."""
-    if config.draft.kind != "peagle":
+    """The mask token of a P-EAGLE or DFlash draft (None for a draft without one)."""
+    from eagle_ray.draft.kinds import uses_mask_token
+
+    if not uses_mask_token(config.draft.kind):
         return None
     from eagle_ray.draft.peagle import resolve_mask_token_id
 
@@ -299,16 +301,19 @@ def mask_token_id(config: JobConfig, tokenizer, served: TargetIdentity) -> int |
 
 
 def check_aux_layer_ids(config: JobConfig) -> None:
-    """`target.aux_layer_ids` against the checkpoint's layers, before any engine starts."""
+    """`target.aux_layer_ids` against the checkpoint's layers, before any engine starts: three
+    for an EAGLE-3 draft, any number for the kinds that read N (P-EAGLE, DFlash)."""
     if config.target.aux_layer_ids is None:
         return
     from transformers import AutoConfig
 
-    from eagle_ray.aux_layers import resolve_eagle3_aux_layer_ids
+    from eagle_ray.aux_layers import resolve_aux_layer_ids, resolve_eagle3_aux_layer_ids
 
     layers = AutoConfig.from_pretrained(config.target.model_path).get_text_config()
+    resolve = (resolve_eagle3_aux_layer_ids if config.draft.kind == "eagle3"
+               else resolve_aux_layer_ids)
     try:
-        resolve_eagle3_aux_layer_ids(config.target.aux_layer_ids, layers.num_hidden_layers)
+        resolve(config.target.aux_layer_ids, layers.num_hidden_layers)
     except ValueError as e:
         raise ConfigError(f"target.aux_layer_ids {config.target.aux_layer_ids}: {e}") from None
 

@@ -27,8 +27,8 @@ from eagle_ray.checkpoint import load_embedding_and_head
 from eagle_ray.config import ClientConfig, DataConfig, JobConfig, TrainConfig, to_dict
 from eagle_ray.data import padding_share, token_budget_micro_batches
 from eagle_ray.draft.export import export_draft
-from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
-from eagle_ray.draft.peagle import PEagleDraft
+from eagle_ray.draft.kinds import build_draft
+from eagle_ray.draft.model import DraftConfig
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.plan import check_worker_memory
 from eagle_ray.pool import PoolClient
@@ -58,7 +58,7 @@ class WorkerSetup:
     pad_id: int
     output_dir: str
     run_record: dict[str, Any]  # saved beside every checkpoint (what a rerun may resume)
-    mask_token_id: int | None = None  # a P-EAGLE draft's
+    mask_token_id: int | None = None  # a P-EAGLE or DFlash draft's
     progress: Any = None  # the driver's `console.ProgressBoard` actor (rank 0 posts to it)
 
 
@@ -107,13 +107,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 
 class DraftLearner:
-    """The draft (any kind: what each training step reads is the draft's `step_inputs`),
+    """The draft (any kind: its `objective` is the loss of a step),
     wrapped for DDP, with its optimizer and schedule: one TTT step at a time.
 
     `prepare` wraps the draft for its workers (Ray Train's `prepare_model`: DDP, the device);
     None moves it to `device` unwrapped (one process, as in tests)."""
 
-    def __init__(self, draft: Eagle3Draft, head: TargetHead, vocab: DraftVocab,
+    def __init__(self, draft: torch.nn.Module, head: TargetHead, vocab: DraftVocab,
                  train: TrainConfig, device: torch.device,
                  prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> None:
         self.train, self.device, self.head = train, device, head.to(device)
@@ -136,12 +136,11 @@ class DraftLearner:
         target_config = AutoConfig.from_pretrained(setup.model_path)
         embedding, head = load_embedding_and_head(setup.model_path, torch.float32)
         vocab = DraftVocab(torch.tensor(setup.draft_to_target), setup.served.vocab_size)
+        spec = setup.job.draft
         config = DraftConfig.from_target(target_config, vocab.size, train.intermediate_size,
-                                         setup.job.draft.num_layers)
-        if setup.mask_token_id is not None:  # draft.kind peagle
-            draft = PEagleDraft(config, setup.mask_token_id, embedding.weight)
-        else:
-            draft = Eagle3Draft(config, embedding.weight)
+                                         spec.num_layers, len(setup.served.aux_layer_ids))
+        draft = build_draft(spec.kind, config, embedding.weight, setup.mask_token_id,
+                            spec.anchors_per_row, spec.loss_decay_gamma)
         return cls(draft, head, vocab, train, device, ray.train.torch.prepare_model)
 
     def resume(self, checkpoint, rank: int) -> int:
@@ -162,10 +161,9 @@ class DraftLearner:
         probs, position_mask = draft_target(batch, self.vocab, self.head)
         with (torch.autocast(self.device.type, dtype=self.precision) if self.precision
               else contextlib.nullcontext()):
-            loss, step_losses, step_accuracies = ttt_loss(
+            loss, step_losses, step_accuracies = self.draft.objective(
                 self.model, batch.aux_hidden_states, batch.input_ids, batch.loss_mask, probs,
-                position_mask, self.train.ttt_steps,
-                self.draft.step_inputs(batch.input_ids, self.train.ttt_steps))
+                position_mask, self.train.ttt_steps)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.train.grad_clip)

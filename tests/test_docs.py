@@ -20,6 +20,18 @@ def test_the_configuration_reference_is_generated_from_the_current_fields():
     assert (ROOT / "docs/configuration.md").read_text() == reference.render(), REGENERATE
 
 
+def test_every_section_of_a_job_config_has_its_table():
+    import dataclasses
+
+    from eagle_ray.config import JobConfig
+
+    nested = {f.name for f in dataclasses.fields(JobConfig)
+              if dataclasses.is_dataclass(f.default_factory() if callable(f.default_factory)
+                                          else f.default)}
+    listed = {prefix.rstrip(".") for _, prefix, _ in reference.SECTIONS}
+    assert nested and nested <= listed, nested - listed
+
+
 def test_the_benchmark_tables_are_generated_from_the_saved_runs():
     assert (ROOT / "docs/benchmarks.md").read_text() == \
         tables.render(ROOT / "benchmarks/results"), REGENERATE

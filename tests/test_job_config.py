@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("name", ["tiny.yaml", "llama3.1-8b.yaml", "llama3.1-8b-colocated.yaml",
                                   "llama3.1-8b-smoke.yaml", "qwen3-8b.yaml", "qwen3-30b-a3b.yaml",
-                                  "llama3.1-8b-peagle.yaml", "tiny-peagle.yaml"])
+                                  "llama3.1-8b-peagle.yaml", "tiny-peagle.yaml",
+                                  "llama3.1-8b-dflash.yaml", "tiny-dflash.yaml"])
 def test_example_configs_load(name):
     config = load_yaml(JobConfig, ROOT / "examples" / name)
     assert config.train.workers >= 1
@@ -167,6 +168,23 @@ def test_capture_ids_outside_a_moe_targets_layers_are_refused_before_anything_st
                                                      "aux_layer_ids": [1, 3, 9]}}))
     check_paths(from_dict(JobConfig, {"target": {"model_path": path,
                                                  "aux_layer_ids": [1, 3, 5]}}))  # control
+
+
+def test_an_eagle3_draft_reads_three_layers_and_the_others_any_number(family_checkpoints):
+    path = str(family_checkpoints["qwen3_moe"])  # 8 layers
+    five = {"model_path": path, "aux_layer_ids": [1, 2, 3, 4, 5]}
+    with pytest.raises(ConfigError, match="EAGLE-3 needs exactly 3"):
+        check_paths(from_dict(JobConfig, {"target": five}))
+    for kind in ("peagle", "dflash"):
+        check_paths(from_dict(JobConfig, {"target": five, "draft": {"kind": kind}}))
+
+
+@pytest.mark.parametrize(("draft", "message"), [
+    ({"kind": "medusa"}, "draft.kind"), ({"anchors_per_row": 0}, "draft.anchors_per_row"),
+    ({"loss_decay_gamma": -1.0}, "draft.loss_decay_gamma"), ({"num_layers": 0}, "num_layers")])
+def test_draft_settings_are_checked_as_the_config_loads(draft, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(JobConfig, {"draft": draft})
 
 
 def test_epochs_replace_steps_and_a_regeneration_may_be_as_long_as_a_row():

@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
+from kit_helpers import counting_forwards, perturbed_kind_draft, train_draft_on_random_rows
 
 from eagle_ray.draft.export import export_draft, load_exported_draft, validate_export
-from eagle_ray.draft.model import DraftConfig, Eagle3Draft, rotate, ttt_loss
+from eagle_ray.draft.model import DraftConfig, Eagle3Draft, rotate
 from eagle_ray.draft.peagle import PEagleDraft, resolve_mask_token_id
 from eagle_ray.identity import TargetIdentity
-from eagle_ray.supervision import DraftVocab, draft_target
 from eagle_ray.testing import random_micro_batch
 
 MASK = 0  # the kit's pad token: no text uses it
@@ -20,14 +20,7 @@ MASK = 0  # the kit's pad token: no text uses it
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1-layer", "2-layer"])
 def setup(hf_llama, request):
-    vocab = DraftVocab.from_token_counts(torch.arange(hf_llama.vocab_size) % 5 + 1, 128)
-    config = DraftConfig.from_target(hf_llama.model.config, vocab.size, num_layers=request.param)
-    torch.manual_seed(0)
-    draft = PEagleDraft(config, MASK, hf_llama.get_input_embeddings().weight.detach())
-    for p in draft.parameters():  # away from the initialisation's symmetric norms
-        if p.requires_grad:
-            p.data.add_(0.05 * torch.randn_like(p))
-    return hf_llama, vocab, config, draft.eval()
+    return hf_llama, *perturbed_kind_draft(hf_llama, "peagle", request.param, MASK)
 
 
 def causal_attention(attn, x: torch.Tensor, c: DraftConfig) -> torch.Tensor:
@@ -97,35 +90,18 @@ def test_proposing_is_one_pass_that_matches_the_training_slots(setup):
     target, vocab, _, draft = setup
     batch = target.generate_batch(*random_micro_batch(target.vocab_size, (12,), seed=2))
     seq = batch.input_ids[0].tolist()  # stands in for a verified sequence
-    calls = []
-    handle = draft.register_forward_hook(lambda *_: calls.append(1))
-    try:
-        with torch.no_grad():
-            proposed = draft.propose(batch.aux_hidden_states[:, :11], [7] + seq[:10], seq[10],
-                                     4, vocab.draft_to_target)
-    finally:
-        handle.remove()
-    assert len(proposed) == 4 and calls == [1], "all k tokens from one draft pass"
+    proposed, forwards = counting_forwards(draft, lambda: draft.propose(
+        batch.aux_hidden_states[:, :11], [7] + seq[:10], seq[10], 4, vocab.draft_to_target))
+    assert len(proposed) == 4 and forwards == 1, "all k tokens from one draft pass"
 
 
 def test_the_objective_trains_and_the_export_is_what_vllm_reads(setup, llama_path, tmp_path):
     target, vocab, config, _ = setup
     torch.manual_seed(0)
     draft = PEagleDraft(config, MASK, target.get_input_embeddings().weight.detach())
-    batch = target.generate_batch(*random_micro_batch(target.vocab_size, (24, 17, 30)))
-    probs, mask = draft_target(batch, vocab, target.get_target_head())
-    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
     first = draft.mask_hidden.detach().clone()
-    losses = []
-    for _ in range(30):
-        loss, per_depth, _ = ttt_loss(draft, batch.aux_hidden_states, batch.input_ids,
-                                      batch.loss_mask, probs, mask, 3,
-                                      draft.step_inputs(batch.input_ids, 3))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    assert losses[-1] < 0.7 * losses[0] and len(per_depth) == 3
+    losses = train_draft_on_random_rows(target, draft, vocab, depth=3)
+    assert losses[-1] < 0.7 * losses[0]
     assert not torch.equal(draft.mask_hidden, first), "mask_hidden is learned"
     served = TargetIdentity.of_backend(target, str(llama_path))
     out = export_draft(draft, vocab, served, tmp_path / "draft", ttt_steps=3)

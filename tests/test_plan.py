@@ -8,8 +8,8 @@ from transformers import AutoConfig
 
 from eagle_ray.cli import main
 from eagle_ray.config import JobConfig, load_yaml
-from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
-from eagle_ray.draft.peagle import PEagleDraft
+from eagle_ray.draft.kinds import build_draft
+from eagle_ray.draft.model import DraftConfig
 from eagle_ray.memory import TensorMemoryProbe
 from eagle_ray.plan import (
     GIB,
@@ -29,11 +29,12 @@ from eagle_ray.testing import random_micro_batch
 RECIPES = {"llama3.1-8b": "llama-3.1-8b-instruct", "qwen3-8b": "qwen3-8b",
            "llama3.1-8b-smoke": "llama-3.1-8b-instruct",
            "llama3.1-8b-colocated": "llama-3.1-8b-instruct", "qwen3-30b-a3b": "qwen3-30b-a3b",
-           "llama3.1-8b-peagle": "llama-3.1-8b-instruct"}
+           "llama3.1-8b-peagle": "llama-3.1-8b-instruct",
+           "llama3.1-8b-dflash": "llama-3.1-8b-instruct"}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize(("kind", "layers"), [("eagle3", 1), ("peagle", 2)])
+@pytest.mark.parametrize(("kind", "layers"), [("eagle3", 1), ("peagle", 2), ("dflash", 2)])
 def test_the_fake_step_peak_is_the_real_steps_peak_on_the_cpu(precision, kind, layers):
     config = DraftConfig(hidden_size=128, target_hidden_size=128, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=32, intermediate_size=256,
@@ -43,7 +44,7 @@ def test_the_fake_step_peak_is_the_real_steps_peak_on_the_cpu(precision, kind, l
                              ddp=False, kind=kind)["step_peak"]
     # The same step for real: random values, real kernels.
     torch.manual_seed(0)
-    draft = PEagleDraft(config, 0) if kind == "peagle" else Eagle3Draft(config)
+    draft = build_draft(kind, config, mask_token_id=0)
     head = TargetHead(torch.nn.RMSNorm(128), torch.nn.Linear(128, 512, bias=False))
     head.requires_grad_(False)
     vocab = DraftVocab(torch.arange(256), 512)
@@ -57,9 +58,8 @@ def test_the_fake_step_peak_is_the_real_steps_peak_on_the_cpu(precision, kind, l
                                   last_hidden=torch.randn(rows, seq, 128))
         probs, position_mask = draft_target(batch, vocab, head)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss, _, _ = ttt_loss(draft, batch.aux_hidden_states, batch.input_ids,
-                                  batch.loss_mask, probs, position_mask, steps,
-                                  draft.step_inputs(batch.input_ids, steps))
+            loss, _, _ = draft.objective(draft, batch.aux_hidden_states, batch.input_ids,
+                                         batch.loss_mask, probs, position_mask, steps)
         loss.backward()
     assert planned == pytest.approx(probe.peak, rel=0.05), (planned, probe.peak)
 
@@ -78,7 +78,8 @@ def test_every_shipped_gpu_recipe_fits_an_80_gib_gpu(recipe):
     assert plan.kv_cache_tokens >= sized_pool_config(job).vllm_kwargs["max_model_len"] \
         > job.data.max_length
     hidden = AutoConfig.from_pretrained(f"examples/targets/{RECIPES[recipe]}").hidden_size
-    assert plan.supervision_bytes_per_token == 4 * hidden * 2  # 3H + H in bf16
+    layers = len(job.target.aux_layer_ids or (1, 2, 3))
+    assert plan.supervision_bytes_per_token == (layers + 1) * hidden * 2  # NH + H in bf16
 
 
 def test_a_mixture_of_experts_target_costs_its_active_parameters_per_token():

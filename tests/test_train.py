@@ -268,6 +268,20 @@ def test_the_printed_serve_command_serves_what_the_evaluation_served(trained):
     assert summary["eval"]["vllm"][0]["mean_acceptance_length"] > 1.0  # vLLM drafted with it
 
 
+def assert_served_in_one_pass(report, kind: str) -> None:
+    """A parallel draft's evaluation at k = 3: one draft forward per verify step (timed), vLLM
+    serving it leaves greedy output unchanged, agrees with the simulation and accepts more than
+    the untrained draft."""
+    assert report["draft"]["kind"] == kind
+    assert report["draft"]["forwards_per_verify_step"] == {"3": 1}  # one pass, not k
+    assert report["draft"]["seconds_per_verify_step"]["3"] > 0
+    (greedy,), (simulated,) = report["vllm"], report["simulated"]
+    assert greedy["greedy_equal_fraction"] == 1.0
+    assert abs(greedy["mean_acceptance_length"] - simulated["trained"]) < 0.05, (greedy,
+                                                                                 simulated)
+    assert greedy["mean_acceptance_length"] > simulated["untrained"] + 0.3
+
+
 def test_a_peagle_draft_trains_exports_and_vllm_drafts_with_it_in_parallel(local_ray,
                                                                           tmp_path):
     """`draft.kind: peagle` (two layers) through the same job: the export carries what vLLM's
@@ -283,13 +297,24 @@ def test_a_peagle_draft_trains_exports_and_vllm_drafts_with_it_in_parallel(local
     assert config["num_hidden_layers"] == 2
     assert config["mask_token_id"] == 0  # the kit's pad token: its vocabulary has no free id
     assert '"parallel_drafting": true' in summary["serve_command"]
-    report = summary["eval"]
-    assert report["draft"] == {"kind": "peagle", "forwards_per_verify_step": {"3": 1}}
-    (greedy,), (simulated,) = report["vllm"], report["simulated"]
-    assert greedy["greedy_equal_fraction"] == 1.0
-    assert abs(greedy["mean_acceptance_length"] - simulated["trained"]) < 0.05, (greedy,
-                                                                                 simulated)
-    assert greedy["mean_acceptance_length"] > simulated["untrained"] + 0.3
+    assert_served_in_one_pass(summary["eval"], "peagle")
+
+
+def test_a_dflash_draft_trains_exports_and_vllm_drafts_a_block_with_it(local_ray, tmp_path):
+    """`draft.kind: dflash` on five target layers through the same job: the export is what
+    vLLM's `dflash` method loads, the printed command names that method, vLLM serving it leaves
+    greedy output unchanged, agrees with the simulation and accepts more than the untrained
+    draft."""
+    output_dir = tmp_path / "dflash"
+    summary = run_job(job(output_dir, "draft.kind=dflash", "target.aux_layer_ids=[1,2,3,4,5]",
+                          "run_name=dflash-test", "train.ttt_steps=3",
+                          "train.loggers=[]", "eval.num_speculative_tokens=[3]",
+                          "eval.temperatures=[0.0]"))
+    config = json.loads((output_dir / "draft" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    assert config["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [1, 2, 3, 4, 5]}
+    assert '"method": "dflash"' in summary["serve_command"]
+    assert_served_in_one_pass(summary["eval"], "dflash")
 
 
 def test_sampling_near_temperature_zero_simulates_the_greedy_acceptance(trained):

@@ -1,14 +1,17 @@
-"""EAGLE-3 against P-EAGLE on the same data, in one run: what each accepts and what each costs.
+"""EAGLE-3 against P-EAGLE and DFlash on the same data, in one run: what each accepts and what
+each costs.
 
-Both drafts train in this process through the training loop's own learner (`DraftLearner`) from
-the same seed, on the same supervision (the pre-trained kit target over the kit's chats,
-computed once), for the same steps. Then, on the same held-out prompts: the greedy simulation's
+The drafts train in this process through the training loop's own learner (`DraftLearner`) from
+the same seed, on the same chats' supervision (the pre-trained kit target over the kit's chats:
+EAGLE-3's three aux layers for EAGLE-3 and P-EAGLE, five for DFlash, as examples/tiny-dflash.yaml
+captures), for the same steps. Then, on the same held-out prompts: the greedy simulation's
 acceptance at each k (the HF target), and vLLM serving each exported draft at each k as the job
 would (`DraftServing`): its acceptance, whether greedy output stayed unchanged, output tokens
-per second of wall time (best of the rounds, the two drafts interleaved), and the draft forwards
-per verify step -- k for EAGLE-3's chain, one for parallel drafting, which is what P-EAGLE trades
-acceptance for. Ratios are against EAGLE-3. On the CPU build the tiny draft costs about as much
-as the tiny target, so the tokens/s ratio shows the mechanism, not a GPU's gain.
+per second of wall time (best of the rounds, the drafts interleaved), and the draft forwards per
+verify step -- k for EAGLE-3's chain, one for parallel drafting (P-EAGLE, DFlash's block), which
+is what those trade acceptance for. Ratios are against EAGLE-3. On the CPU build the tiny draft
+costs about as much as the tiny target, so the tokens/s ratio shows the mechanism, not a GPU's
+gain.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import torch
 
 from eagle_ray.bench import emit
 
-KINDS = ("eagle3", "peagle")
+KINDS = ("eagle3", "peagle", "dflash")
+AUX_LAYER_IDS = {"dflash": [1, 2, 3, 4, 5]}  # the kind's captured layers (None: EAGLE-3's default)
 
 
 def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts: int = 16,
@@ -33,19 +37,22 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
     from eagle_ray.tiny import generate_chat_samples
     from eagle_ray.tokenizer_files import load_tokenizer
 
-    target = HFEagle3TargetModel.from_pretrained(model_path, dtype=torch.float32)
     _, tokenizer = load_tokenizer(model_path, {}, "the benchmark")
-    supervision, vocab = _supervision(target, tokenizer, samples)
+    targets = {kind: HFEagle3TargetModel.from_pretrained(
+        model_path, AUX_LAYER_IDS.get(kind), dtype=torch.float32) for kind in KINDS}
     stops = stop_token_ids(tokenizer)
     held_out = [prompt_for_turn(tokenizer, s["messages"], 2)
                 for s in generate_chat_samples(prompts, seed=77)]
-    answers = [greedy_generate(target, p, max_new_tokens, stops) for p in held_out]
-    served = TargetIdentity.of_backend(target, model_path)
+    answers = [greedy_generate(targets["eagle3"], p, max_new_tokens, stops) for p in held_out]
+    drafts, simulated = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        drafts = {kind: _train_and_export(kind, target, tokenizer, vocab, supervision, steps,
-                                          max(ks), served, Path(tmp) / kind) for kind in KINDS}
-        simulated = {kind: _simulate(target, draft, vocab, held_out, answers, ks)
-                     for kind, (draft, _) in drafts.items()}
+        for kind, target in targets.items():
+            supervision, vocab = _supervision(target, tokenizer, samples)
+            draft, folder = _train_and_export(
+                kind, target, tokenizer, vocab, supervision, steps, max(ks),
+                TargetIdentity.of_backend(target, model_path), Path(tmp) / kind)
+            drafts[kind] = (draft, folder)
+            simulated[kind] = _simulate(target, draft, vocab, held_out, answers, ks)
         served_rates = _serve(model_path, {k: d for k, (_, d) in drafts.items()}, held_out, ks,
                               max_new_tokens, stops, answers, rounds)
     for k in ks:
@@ -59,7 +66,7 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
                  ratio=round(length / base[0], 3), greedy_unchanged=equal, **common)
             emit("drafts", "vllm_output_tokens_per_s", round(rate, 1), "tok/s",
                  ratio=round(rate / base[2], 3), **common)
-            forwards = 1 if kind == "peagle" else k
+            forwards = 1 if drafts[kind][0].drafts_in_parallel else k
             emit("drafts", "draft_forwards_per_verify_step", forwards, "forwards",
                  ratio=round(forwards / k, 3), **common)
 
@@ -84,15 +91,17 @@ def _train_and_export(kind: str, target, tokenizer, vocab, supervision, steps: i
     supervision, epoch after epoch, from seed 0."""
     from eagle_ray.config import TrainConfig
     from eagle_ray.draft.export import export_draft
-    from eagle_ray.draft.model import DraftConfig, Eagle3Draft
-    from eagle_ray.draft.peagle import PEagleDraft, resolve_mask_token_id
+    from eagle_ray.draft.kinds import build_draft
+    from eagle_ray.draft.model import DraftConfig
+    from eagle_ray.draft.peagle import resolve_mask_token_id
     from eagle_ray.train_loop import DraftLearner
 
     torch.manual_seed(0)
-    config = DraftConfig.from_target(target.model.config, vocab.size)
+    config = DraftConfig.from_target(target.model.config, vocab.size,
+                                     num_aux_layers=len(target.aux_layer_ids))
     embedding = target.get_input_embeddings().weight.detach()
-    draft = (PEagleDraft(config, resolve_mask_token_id(None, tokenizer, target.vocab_size),
-                         embedding) if kind == "peagle" else Eagle3Draft(config, embedding))
+    draft = build_draft(kind, config, embedding,
+                        resolve_mask_token_id(None, tokenizer, target.vocab_size))
     train = TrainConfig(steps=steps, warmup_steps=max(steps // 10, 1), lr=3e-3, grad_clip=1.0,
                         ttt_steps=depth, precision="fp32")
     learner = DraftLearner(draft, target.get_target_head(), vocab, train, torch.device("cpu"))

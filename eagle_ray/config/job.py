@@ -117,18 +117,29 @@ class DraftSpec:
     """Which draft the job trains (docs/training.md, "Draft kinds"); the same pool, data, Ray
     Train loop, precision and export path for each."""
 
-    kind: Literal["eagle3", "peagle"] = "eagle3"
+    kind: Literal["eagle3", "peagle", "dflash"] = "eagle3"
     """`eagle3`: chain drafting, one draft forward per drafted token (trained with TTT over
     `train.ttt_steps` steps); `peagle`: P-EAGLE, all k tokens in one forward (the k - 1 slots
     after the first read a mask token and a learned `mask_hidden`; served with vLLM's
-    `parallel_drafting`; trained over `train.ttt_steps` depths)."""
+    `parallel_drafting`; trained over `train.ttt_steps` depths); `dflash`: DFlash, a block of
+    `train.ttt_steps + 1` slots (the bonus token, then masks) drafted in one non-causal forward
+    conditioned only on the target's aux layers (`target.aux_layer_ids`, any number; served as
+    vLLM's `dflash` method)."""
     num_layers: int = 1
-    """Decoder layers: the first reads [embedding ; features] as EAGLE-3's one does, the rest
-    are plain Llama layers (vLLM loads any number). The P-EAGLE references train 4: its mask
-    slots carry no content of their own into the first layer (docs/training.md)."""
+    """Decoder layers. EAGLE-3 / P-EAGLE: the first reads [embedding ; features] as EAGLE-3's
+    one does, the rest are plain Llama layers (vLLM loads any number); the P-EAGLE references
+    train 4: its mask slots carry no content of their own into the first layer. DFlash: Qwen3
+    layers reading the context features in their attention."""
     mask_token_id: int | None = None
-    """P-EAGLE's mask token (a target token id no text uses); None: the first id past the
-    tokenizer where the vocabulary has room (Qwen's padded vocabularies), else the pad token."""
+    """The mask token of P-EAGLE and DFlash (a target token id no text uses); None: the first
+    id past the tokenizer where the vocabulary has room (Qwen's padded vocabularies), else the
+    pad token."""
+    anchors_per_row: int = 512
+    """DFlash: blocks trained per row, anchored at answer tokens drawn uniformly (SpecForge's
+    `num_anchors`)."""
+    loss_decay_gamma: float | None = None
+    """DFlash: block slot j's loss weight is exp(-(j - 1) / gamma); None: the paper's choice
+    for the block size (7 for 16, 5 for 10, 4 for 8 and below)."""
 
 
 @dataclasses.dataclass
@@ -217,8 +228,14 @@ class JobConfig:
                               f"both set: give one (epochs: the job derives the steps)")
         if train.epochs is not None and train.epochs <= 0:
             raise ConfigError(f"train.epochs must be > 0, got {train.epochs}")
-        if self.draft.num_layers < 1:
-            raise ConfigError(f"draft.num_layers must be >= 1, got {self.draft.num_layers}")
+        draft = self.draft
+        if draft.num_layers < 1:
+            raise ConfigError(f"draft.num_layers must be >= 1, got {draft.num_layers}")
+        if draft.anchors_per_row < 1:
+            raise ConfigError(f"draft.anchors_per_row must be >= 1, got {draft.anchors_per_row}")
+        if draft.loss_decay_gamma is not None and draft.loss_decay_gamma <= 0:
+            raise ConfigError(f"draft.loss_decay_gamma must be > 0 (or null), got "
+                              f"{draft.loss_decay_gamma}")
         if train.steps is None and train.epochs is None:
             train.steps = DEFAULT_STEPS
         if self.regenerate.max_new_tokens is None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from eagle_ray.config.job import (
     DataConfig,
+    DraftSpec,
     EvalConfig,
     JobConfig,
     RegenerateConfig,
@@ -26,7 +27,8 @@ from eagle_ray.config.pool import AutoscalingConfig, ClientConfig, PoolConfig
 SECTIONS: list[tuple[str, str, type]] = [
     ("Top-level keys", "", JobConfig), ("`target.*`", "target.", PoolConfig),
     ("`target.autoscaling.*`", "target.autoscaling.", AutoscalingConfig),
-    ("`data.*`", "data.", DataConfig), ("`train.*`", "train.", TrainConfig),
+    ("`data.*`", "data.", DataConfig), ("`draft.*`", "draft.", DraftSpec),
+    ("`train.*`", "train.", TrainConfig),
     ("`regenerate.*`", "regenerate.", RegenerateConfig), ("`eval.*`", "eval.", EvalConfig),
     ("Pool client (Python: `pool.client(ClientConfig(...))`)", "", ClientConfig),
 ]

@@ -1,5 +1,6 @@
-"""Export a trained draft as the HF folder vLLM's EAGLE-3 loader reads, and check it (a
-P-EAGLE draft is the same folder plus `mask_hidden`, its mask token and aux layer count).
+"""Export a trained draft as the HF folder vLLM's loader for its kind reads, and check it (a
+P-EAGLE draft is EAGLE-3's folder plus `mask_hidden`, its mask token and aux layer count; a
+DFlash draft is a `DFlashDraftModel` with `dflash_config`).
 
 vLLM validates almost none of this and fails silently (low acceptance) on a wrong layer id, a
 missing `d2t` or a wrong `fc` width, so the export checks its own output against the target the
@@ -16,10 +17,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from eagle_ray.aux_layers import vllm_capture_layer_ids
-from eagle_ray.draft.model import DraftConfig, Eagle3Draft
-from eagle_ray.draft.peagle import PEagleDraft
+from eagle_ray.draft.kinds import build_draft
+from eagle_ray.draft.model import DraftConfig
 from eagle_ray.identity import TargetIdentity
 from eagle_ray.supervision import DraftVocab
 
@@ -30,6 +32,7 @@ TARGET_KEY = "eagle_ray_target"  # config.json: the TargetIdentity the draft was
 TTT_STEPS_KEY = "eagle_ray_ttt_steps"  # config.json: draft steps it was trained to chain
 KIND_KEY = "eagle_ray_draft_kind"  # config.json: `DraftSpec.kind` (absent: eagle3)
 MASK_TOKEN_KEY = "mask_token_id"  # config.json: where vLLM reads a parallel draft's mask token
+DFLASH_KEY = "dflash_config"  # config.json: a DFlash draft's mask token and target layers
 
 
 def serving_layer_ids(target: TargetIdentity) -> list[int]:
@@ -38,7 +41,7 @@ def serving_layer_ids(target: TargetIdentity) -> list[int]:
     return vllm_capture_layer_ids(target.aux_layer_ids, target.num_hidden_layers)[:-1]
 
 
-def export_draft(draft: Eagle3Draft, vocab: DraftVocab, target: TargetIdentity,
+def export_draft(draft: nn.Module, vocab: DraftVocab, target: TargetIdentity,
                  out_dir: str | Path, ttt_steps: int | None = None) -> Path:
     """Write `config.json` + `model.safetensors` (+ `d2t`, `t2d` unless full-vocabulary) for the
     `target` the draft was trained against (and the `ttt_steps` it was trained to chain: the
@@ -46,10 +49,7 @@ def export_draft(draft: Eagle3Draft, vocab: DraftVocab, target: TargetIdentity,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     c = draft.config
-    serving_ids = serving_layer_ids(target)
     config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
         "hidden_size": c.hidden_size,
         "target_hidden_size": c.target_hidden_size,
         "intermediate_size": c.intermediate_size,
@@ -66,13 +66,10 @@ def export_draft(draft: Eagle3Draft, vocab: DraftVocab, target: TargetIdentity,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
         "torch_dtype": str(draft.fc.weight.dtype).removeprefix("torch."),
-        "eagle_aux_hidden_state_layer_ids": serving_ids,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": serving_ids,
-                         "use_aux_hidden_state": True},
         TARGET_KEY: target.to_dict(),
         KIND_KEY: draft.kind,
         **({TTT_STEPS_KEY: ttt_steps} if ttt_steps is not None else {}),
-        **_parallel_drafting_keys(draft),
+        **_kind_keys(draft, target, ttt_steps),
     }
     state = {name: t.detach().cpu().contiguous() for name, t in draft.state_dict().items()
              if not name.startswith("embed_tokens.")}  # vLLM shares the target's embedding
@@ -82,7 +79,8 @@ def export_draft(draft: Eagle3Draft, vocab: DraftVocab, target: TargetIdentity,
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(state, str(out / WEIGHTS_FILE))
     validate_export(out, target)
-    logger.info("exported draft to %s (aux ids %s in vLLM's convention)", out, serving_ids)
+    logger.info("exported %s draft to %s (aux ids %s in vLLM's convention)", draft.kind, out,
+                serving_layer_ids(target))
     return out
 
 
@@ -92,48 +90,23 @@ def validate_export(path: str | Path, target: TargetIdentity) -> None:
     config = json.loads((path / "config.json").read_text())
     weights = load_file(str(path / WEIGHTS_FILE))
     problems = []
-    hidden, draft_vocab = config["hidden_size"], config["draft_vocab_size"]
-    heads, kv_heads, head_dim = (config["num_attention_heads"], config["num_key_value_heads"],
-                                 config["head_dim"])
+    draft_vocab = config["draft_vocab_size"]
     full_vocabulary = draft_vocab == target.vocab_size
-    layers = len(target.aux_layer_ids)
-    expected = {
-        "fc.weight": (hidden, layers * target.hidden_size),
-        "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
-        "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
-        "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
-        "midlayer.self_attn.o_proj.weight": (hidden, heads * head_dim),
-        "midlayer.mlp.gate_proj.weight": (config["intermediate_size"], hidden),
-        "midlayer.mlp.up_proj.weight": (config["intermediate_size"], hidden),
-        "midlayer.mlp.down_proj.weight": (hidden, config["intermediate_size"]),
-        "midlayer.input_layernorm.weight": (hidden,),
-        "midlayer.hidden_norm.weight": (hidden,),
-        "midlayer.post_attention_layernorm.weight": (hidden,),
-        "norm.weight": (hidden,),
-        "lm_head.weight": (draft_vocab, hidden),
-        **({} if full_vocabulary else {"d2t": (draft_vocab,)}),
-        **{f"layers.{i}.{name}": shape for i in range(1, config["num_hidden_layers"])
-           for name, shape in _plain_layer_shapes(config).items()},
-        **({"mask_hidden": (1, layers * target.hidden_size)}
-           if config.get(KIND_KEY) == "peagle" else {}),
-    }
-    for name, shape in expected.items():
+    for name, shape in _expected_weights(config, target).items():
         if name not in weights:
             problems.append(f"missing weight {name}")
         elif tuple(weights[name].shape) != shape:
             problems.append(f"{name} has shape {list(weights[name].shape)}, expected {list(shape)}")
-    ids = config.get("eagle_aux_hidden_state_layer_ids") or []
-    if ids != serving_layer_ids(target):
-        problems.append(f"eagle_aux_hidden_state_layer_ids {ids} are not the layers the target "
-                        f"was captured at: canonical {list(target.aux_layer_ids)} = "
-                        f"{serving_layer_ids(target)} in vLLM's pre-layer convention")
+    problems += _layer_id_problems(config, target)
     if config["vocab_size"] != target.vocab_size:
         problems.append(f"vocab_size {config['vocab_size']} is not the target's "
                         f"{target.vocab_size}")
     if draft_vocab > target.vocab_size:
         problems.append(f"draft_vocab_size {draft_vocab} exceeds the target's vocabulary")
-    if config.get(KIND_KEY) == "peagle":
-        problems += _parallel_drafting_problems(config, target)
+    problems += _mask_token_problems(config, target)
+    if "mask_hidden" in weights and config.get(KIND_KEY) == "dflash":
+        problems.append("a DFlash draft carries mask_hidden, which vLLM refuses (its masked "
+                        "slots read the mask token's embedding)")
     if full_vocabulary and "d2t" in weights:
         problems.append("a full-vocabulary draft carries d2t, which vLLM refuses to load")
     if "d2t" in weights and not full_vocabulary:
@@ -162,25 +135,89 @@ def _plain_layer_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             "post_attention_layernorm.weight": (hidden,)}
 
 
-def _parallel_drafting_keys(draft: Eagle3Draft) -> dict:
-    """What vLLM reads to draft in parallel: the mask token and the aux layer count that sizes
-    `mask_hidden` (without it vLLM assumes three: docs/training.md, "Draft kinds")."""
-    if draft.kind != "peagle":
-        return {}
-    return {MASK_TOKEN_KEY: draft.mask_token_id,
-            "num_aux_hidden_states": draft.config.num_aux_layers}
+def _kind_keys(draft: nn.Module, target: TargetIdentity, ttt_steps: int | None) -> dict:
+    """What vLLM's loader for the draft's kind reads: EAGLE-3's architecture and aux ids
+    (P-EAGLE adds its mask token and the aux layer count that sizes `mask_hidden`: without it
+    vLLM assumes three); DFlash's architecture and `dflash_config` (canonical ids: vLLM adds 1,
+    docs/contract.md), whose block size its proposer does not read (k is the serve command's)."""
+    if draft.kind == "dflash":
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+                "attention_bias": False,
+                DFLASH_KEY: {MASK_TOKEN_KEY: draft.mask_token_id,
+                             "target_layer_ids": list(target.aux_layer_ids)},
+                **({"block_size": ttt_steps + 1} if ttt_steps is not None else {})}
+    ids = serving_layer_ids(target)
+    keys = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids,
+                             "use_aux_hidden_state": True}}
+    if draft.kind == "peagle":
+        keys |= {MASK_TOKEN_KEY: draft.mask_token_id,
+                 "num_aux_hidden_states": draft.config.num_aux_layers}
+    return keys
 
 
-def _parallel_drafting_problems(config: dict, target: TargetIdentity) -> list[str]:
-    mask = config.get(MASK_TOKEN_KEY)
+def _expected_weights(config: dict, target: TargetIdentity) -> dict[str, tuple[int, ...]]:
+    """Every tensor vLLM loads for the draft's kind, with its shape."""
+    hidden, kind = config["hidden_size"], config.get(KIND_KEY, "eagle3")
+    features = len(target.aux_layer_ids) * target.hidden_size
+    common = {"fc.weight": (hidden, features), "norm.weight": (hidden,),
+              "lm_head.weight": (config["draft_vocab_size"], hidden),
+              **({} if config["draft_vocab_size"] == target.vocab_size
+                 else {"d2t": (config["draft_vocab_size"],)})}
+    layers = range(config["num_hidden_layers"])
+    if kind == "dflash":
+        head_dim = (config["head_dim"],)
+        return {**common, "hidden_norm.weight": (hidden,),
+                **{f"layers.{i}.{name}": shape for i in layers for name, shape in
+                   {**_plain_layer_shapes(config), "self_attn.q_norm.weight": head_dim,
+                    "self_attn.k_norm.weight": head_dim}.items()}}
+    fused = {name: (shape[0], 2 * hidden) if name.endswith(("q_proj.weight", "k_proj.weight",
+                                                            "v_proj.weight")) else shape
+             for name, shape in _plain_layer_shapes(config).items()}
+    return {**common, **{f"midlayer.{name}": shape for name, shape in fused.items()},
+            "midlayer.hidden_norm.weight": (hidden,),
+            **{f"layers.{i}.{name}": shape for i in layers[1:]
+               for name, shape in _plain_layer_shapes(config).items()},
+            **({"mask_hidden": (1, features)} if kind == "peagle" else {})}
+
+
+def _layer_id_problems(config: dict, target: TargetIdentity) -> list[str]:
+    canonical = list(target.aux_layer_ids)
+    if config.get(KIND_KEY) == "dflash":
+        ids = (config.get(DFLASH_KEY) or {}).get("target_layer_ids")
+        overriding = [key for key in ("eagle_aux_hidden_state_layer_ids", "eagle_config")
+                      if key in config]
+        return ([f"{DFLASH_KEY}.target_layer_ids {ids} are not the layers the target was "
+                 f"captured at ({canonical}, canonical as DFlash's)"] if ids != canonical else []
+                ) + [f"{key} would override dflash_config's layers in vLLM" for key in overriding]
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or []
+    if ids == serving_layer_ids(target):
+        return []
+    return [f"eagle_aux_hidden_state_layer_ids {ids} are not the layers the target was captured "
+            f"at: canonical {canonical} = {serving_layer_ids(target)} in vLLM's pre-layer "
+            f"convention"]
+
+
+def _mask_token_problems(config: dict, target: TargetIdentity) -> list[str]:
+    kind = config.get(KIND_KEY, "eagle3")
+    if kind == "eagle3":
+        return []
+    mask = exported_mask_token(config)
     problems = []
     if not isinstance(mask, int) or not 0 <= mask < target.vocab_size:
         problems.append(f"{MASK_TOKEN_KEY} {mask!r} is not a token id of the target's "
                         f"vocabulary [0, {target.vocab_size})")
-    if config.get("num_aux_hidden_states") != len(target.aux_layer_ids):
+    if kind == "peagle" and config.get("num_aux_hidden_states") != len(target.aux_layer_ids):
         problems.append(f"num_aux_hidden_states {config.get('num_aux_hidden_states')!r} is not "
                         f"the {len(target.aux_layer_ids)} aux layers the target was captured at")
     return problems
+
+
+def exported_mask_token(config: dict) -> int | None:
+    """The mask token vLLM reads from a draft's `config.json` (DFlash's `dflash_config` first,
+    as vLLM looks it up)."""
+    return (config.get(DFLASH_KEY) or {}).get(MASK_TOKEN_KEY, config.get(MASK_TOKEN_KEY))
 
 
 def exported_kind(path: str | Path) -> str:
@@ -203,7 +240,7 @@ def exported_ttt_steps(path: str | Path) -> int | None:
 
 
 def load_exported_draft(path: str | Path, embedding_weight: torch.Tensor
-                        ) -> tuple[Eagle3Draft, DraftVocab]:
+                        ) -> tuple[nn.Module, DraftVocab]:
     """Rebuild an exported draft (for evaluation) with the target's embedding."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
@@ -215,14 +252,13 @@ def load_exported_draft(path: str | Path, embedding_weight: torch.Tensor
         draft_vocab_size=config["draft_vocab_size"], rms_norm_eps=config["rms_norm_eps"],
         rope_theta=config["rope_theta"],
         max_position_embeddings=config["max_position_embeddings"],
-        num_layers=config.get("num_hidden_layers", 1))
+        num_layers=config.get("num_hidden_layers", 1),
+        num_aux_layers=len(exported_target(path).aux_layer_ids))
     weights = load_file(str(path / WEIGHTS_FILE))
     d2t = weights.pop("d2t", torch.zeros(config["draft_vocab_size"], dtype=torch.int64))
     weights.pop("t2d", None)
-    if config.get(KIND_KEY) == "peagle":
-        draft = PEagleDraft(draft_config, config[MASK_TOKEN_KEY], embedding_weight)
-    else:
-        draft = Eagle3Draft(draft_config, embedding_weight)
+    draft = build_draft(config.get(KIND_KEY, "eagle3"), draft_config, embedding_weight,
+                        exported_mask_token(config))
     draft.load_state_dict({**weights, "embed_tokens.weight": embedding_weight})
     vocab = DraftVocab(torch.arange(d2t.numel()) + d2t, config["vocab_size"])
     return draft, vocab

@@ -47,8 +47,10 @@ class DraftConfig:
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int,
-                    intermediate_size: int | None = None, num_layers: int = 1) -> DraftConfig:
-        """A draft whose layers are shaped like the target's (one: the usual EAGLE-3 choice)."""
+                    intermediate_size: int | None = None, num_layers: int = 1,
+                    num_aux_layers: int = 3) -> DraftConfig:
+        """A draft whose layers are shaped like the target's (one: the usual EAGLE-3 choice),
+        reading `num_aux_layers` of its layers."""
         t = target_config.get_text_config()
         head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
         rope = getattr(t, "rope_parameters", None) or {}
@@ -61,7 +63,7 @@ class DraftConfig:
             rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))),
             max_position_embeddings=getattr(t, "max_position_embeddings", 2048),
-            num_layers=num_layers,
+            num_layers=num_layers, num_aux_layers=num_aux_layers,
         )
 
 
@@ -242,6 +244,21 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+def frozen_embedding(config: DraftConfig, weight: torch.Tensor | None) -> nn.Embedding:
+    """The target's token embedding, frozen: a draft reads tokens through it, and vLLM shares
+    the target's (no export carries it)."""
+    embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+    if weight is not None:
+        embedding.weight.data.copy_(weight)
+    return embedding.requires_grad_(False)
+
+
+def feature_projection(config: DraftConfig) -> nn.Linear:
+    """`fc`: the target's N aux states `[N * H_target]` -> the draft's hidden size."""
+    return nn.Linear(config.num_aux_layers * config.target_hidden_size, config.hidden_size,
+                     bias=False)
+
+
 class Eagle3Draft(nn.Module):
     """The draft: frozen target embedding, `fc`, the fused `midlayer` (and `num_layers - 1`
     plain layers after it), `norm`, draft-vocab `lm_head`.
@@ -251,17 +268,14 @@ class Eagle3Draft(nn.Module):
     `peagle.PEagleDraft` changes those two hooks and nothing else."""
 
     kind = "eagle3"
+    drafts_in_parallel = False  # one draft forward per drafted token
 
     def __init__(self, config: DraftConfig, embedding_weight: torch.Tensor | None = None,
                  attention: AttentionFn = ttt_attention) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        if embedding_weight is not None:
-            self.embed_tokens.weight.data.copy_(embedding_weight)
-        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
-        self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size,
-                            config.hidden_size, bias=False)
+        self.embed_tokens = frozen_embedding(config, embedding_weight)
+        self.fc = feature_projection(config)
         self.midlayer = DraftLayer(config, attention)
         # Named as vLLM loads them (`midlayer` is its `layers.0`).
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, attention)
@@ -298,6 +312,15 @@ class Eagle3Draft(nn.Module):
             logits.append(self.lm_head(self.norm(out)))
             hidden = self.next_step_hidden(out, first)
         return logits
+
+    def objective(self, model: nn.Module, aux_hidden_states: torch.Tensor,
+                  input_ids: torch.Tensor, loss_mask: torch.Tensor, target_probs: torch.Tensor,
+                  position_mask: torch.Tensor, depth: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The TTT loss over `depth` steps reading this kind's `step_inputs` (`ttt_loss`);
+        `model` is this draft or its DDP wrapper (the forward runs through it)."""
+        return ttt_loss(model, aux_hidden_states, input_ids, loss_mask, target_probs,
+                        position_mask, depth, self.step_inputs(input_ids, depth))
 
     def step_inputs(self, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """The tokens each training step reads (`chain_step_inputs`)."""

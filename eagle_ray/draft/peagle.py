@@ -28,6 +28,7 @@ class PEagleDraft(Eagle3Draft):
     embedding."""
 
     kind = "peagle"
+    drafts_in_parallel = True
 
     def __init__(self, config: DraftConfig, mask_token_id: int,
                  embedding_weight: torch.Tensor | None = None,
