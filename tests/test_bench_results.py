@@ -46,8 +46,11 @@ def test_a_figure_is_the_median_of_the_runs_with_their_range(tmp_path):
     assert tables.figure(first["values"]) == "100 (90-110)"
     assert tables.figure(second["ratios"]) == "1.818 (1.5-1.889)"
     assert second["measured"] == {"busy": [1.5, 2.0, 1.7]}
-    assert "| supervision_tokens_per_s | baseline=linear, replicas=2 | 170 (150-200) |" \
-        in tables.render(tmp_path)
+    page = tables.render(tmp_path)
+    # One table: a line per setting, a column per metric naming its unit and baseline.
+    assert "| replicas | supervision_tokens_per_s (tok/s; x linear) |" in page
+    assert "| 2 | 170 (150-200) · 1.818 (1.5-1.889)x · busy 1.7 |" in page
+    assert "**In short:** supervision_tokens_per_s 1.818x (replicas=2) of linear." in page
 
 
 def test_a_ratio_from_fewer_than_three_runs_is_not_published(tmp_path):
@@ -57,7 +60,15 @@ def test_a_ratio_from_fewer_than_three_runs_is_not_published(tmp_path):
         tables.render(tmp_path)
     _run(tmp_path / "plain", [100, 150], ratio=False)  # a figure without a ratio: one run is
     assert "170" not in tables.render(tmp_path / "plain")  # published as it is
-    assert "| 150 | tok/s |" in tables.render(tmp_path / "plain")
+    assert "| 2 | 150 · busy 1.5 |" in tables.render(tmp_path / "plain")
+
+
+def test_units_are_scaled_to_read():
+    assert tables.scaled_unit("s/token", [2.5e-9, 2e-6]) == (1e6, "µs/token")
+    assert tables.scaled_unit("B/s", [3.2e9]) == (1e-9, "GB/s")
+    assert tables.scaled_unit("B/token", [32768]) == (2**-10, "KiB/token")
+    assert tables.scaled_unit("tok/s", [1234.0]) == (1.0, "tok/s")
+    assert tables.figure([2.5e-6, 3e-6, 2e-6], 1e6) == "2.5 (2-3)"
 
 
 def test_runs_whose_lines_do_not_match_are_refused(tmp_path):

@@ -4,14 +4,15 @@ each costs.
 The drafts train in this process through the training loop's own learner (`DraftLearner`) from
 the same seed, on the same chats' supervision (the pre-trained kit target over the kit's chats:
 EAGLE-3's three aux layers for EAGLE-3 and P-EAGLE, five for DFlash, as examples/tiny-dflash.yaml
-captures), for the same steps. Then, on the same held-out prompts: the greedy simulation's
-acceptance at each k (the HF target), and vLLM serving each exported draft at each k as the job
-would (`DraftServing`): its acceptance, whether greedy output stayed unchanged, output tokens
-per second of wall time (best of the rounds, the drafts interleaved), and the draft forwards per
-verify step -- k for EAGLE-3's chain, one for parallel drafting (P-EAGLE, DFlash's block), which
-is what those trade acceptance for. Ratios are against EAGLE-3. On the CPU build the tiny draft
-costs about as much as the tiny target, so the tokens/s ratio shows the mechanism, not a GPU's
-gain.
+captures), for the same steps, each shaped as its tiny example (DFlash: three layers). Then, on
+the same held-out prompts: the greedy simulation's acceptance at each k (the HF target), and
+vLLM serving each exported draft at each k as the job would (`DraftServing`): its acceptance,
+whether greedy output stayed unchanged, output tokens per second of wall time (best of the
+rounds, the drafts interleaved), the draft forwards per verify step -- k for EAGLE-3's chain,
+one for parallel drafting (P-EAGLE, DFlash's block), which is what those trade acceptance for
+-- and the draft's own time per verify step (the simulation's proposal, median of 5 per
+prompt). Ratios are against EAGLE-3. On the CPU build the tiny draft costs about as much
+as the tiny target, so the tokens/s ratio shows the mechanism, not a GPU's gain.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ import torch
 from eagle_ray.bench import emit
 
 KINDS = ("eagle3", "peagle", "dflash")
-AUX_LAYER_IDS = {"dflash": [1, 2, 3, 4, 5]}  # the kind's captured layers (None: EAGLE-3's default)
+# As examples/tiny-<kind>.yaml trains each kind: its captured layers (None: EAGLE-3's default)
+# and draft layers (1 unless named).
+AUX_LAYER_IDS = {"dflash": [1, 2, 3, 4, 5]}
+NUM_LAYERS = {"dflash": 3}
 
 
 def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts: int = 16,
@@ -34,6 +38,7 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
     from eagle_ray.chat import prompt_for_turn, stop_token_ids
     from eagle_ray.evaluate import greedy_generate
     from eagle_ray.identity import TargetIdentity
+    from eagle_ray.simulate import draft_seconds_per_verify_step
     from eagle_ray.tiny import generate_chat_samples
     from eagle_ray.tokenizer_files import load_tokenizer
 
@@ -44,7 +49,7 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
     held_out = [prompt_for_turn(tokenizer, s["messages"], 2)
                 for s in generate_chat_samples(prompts, seed=77)]
     answers = [greedy_generate(targets["eagle3"], p, max_new_tokens, stops) for p in held_out]
-    drafts, simulated = {}, {}
+    drafts, simulated, draft_seconds = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind, target in targets.items():
             supervision, vocab = _supervision(target, tokenizer, samples)
@@ -53,6 +58,8 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
                 TargetIdentity.of_backend(target, model_path), Path(tmp) / kind)
             drafts[kind] = (draft, folder)
             simulated[kind] = _simulate(target, draft, vocab, held_out, answers, ks)
+            draft_seconds[kind] = {k: draft_seconds_per_verify_step(
+                target, draft, vocab, held_out, k, repeats=5) for k in ks}
         served_rates = _serve(model_path, {k: d for k, (_, d) in drafts.items()}, held_out, ks,
                               max_new_tokens, stops, answers, rounds)
     for k in ks:
@@ -69,6 +76,9 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
             forwards = 1 if drafts[kind][0].drafts_in_parallel else k
             emit("drafts", "draft_forwards_per_verify_step", forwards, "forwards",
                  ratio=round(forwards / k, 3), **common)
+            seconds = draft_seconds[kind][k]
+            emit("drafts", "draft_seconds_per_verify_step", seconds, "s",
+                 ratio=round(seconds / draft_seconds["eagle3"][k], 3), **common)
 
 
 def _supervision(target, tokenizer, samples: int):
@@ -98,6 +108,7 @@ def _train_and_export(kind: str, target, tokenizer, vocab, supervision, steps: i
 
     torch.manual_seed(0)
     config = DraftConfig.from_target(target.model.config, vocab.size,
+                                     num_layers=NUM_LAYERS.get(kind, 1),
                                      num_aux_layers=len(target.aux_layer_ids))
     embedding = target.get_input_embeddings().weight.detach()
     draft = build_draft(kind, config, embedding,

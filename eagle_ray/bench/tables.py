@@ -1,7 +1,9 @@
 """docs/benchmarks.md, generated from the result files under `benchmarks/results/`
 (`python -m eagle_ray.bench.tables > docs/benchmarks.md`; `tests/test_docs.py` fails when the file
-is stale). No figure is typed by hand: every cell is the median over the saved runs of one
-benchmark, with the range beside it.
+is stale). No figure is typed by hand: per benchmark the question it answers (its docstring),
+one table -- a line per setting, a column per metric in a readable unit, each cell the median
+over the saved runs with its range and its ratio to the baseline the column names -- and a
+conclusion computed from the ratios.
 
 A run's lines are matched across runs by position (the n-th line with a given metric), so runs
 saved with different options must not share a folder: delete superseded files when a benchmark
@@ -69,8 +71,9 @@ def rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return table
 
 
-def figure(values: list[float]) -> str:
-    """The median, and the range when runs differ."""
+def figure(values: list[float], scale: float = 1.0) -> str:
+    """The median, and the range when runs differ (each times `scale`)."""
+    values = [v * scale for v in values]
     middle = _number(statistics.median(values))
     if len(values) == 1 or min(values) == max(values):
         return middle
@@ -83,8 +86,91 @@ def _number(x: float) -> str:
     return f"{x:,.4g}" if abs(x) < 1000 else f"{x:,.0f}"
 
 
+# A unit's readable scales, largest first: (smallest median shown in it, factor, name).
+SCALES = {
+    "s": [(1, 1, "s"), (1e-3, 1e3, "ms"), (1e-6, 1e6, "µs"), (0, 1e9, "ns")],
+    "B": [(2**30, 2**-30, "GiB"), (2**20, 2**-20, "MiB"), (2**10, 2**-10, "KiB"), (0, 1, "B")],
+    "B/s": [(1e9, 1e-9, "GB/s"), (1e6, 1e-6, "MB/s"), (1e3, 1e-3, "kB/s"), (0, 1, "B/s")],
+}
+
+
+def scaled_unit(unit: str, values: list[float]) -> tuple[float, str]:
+    """(factor, unit) showing `values` in the unit's readable scale: s/token as µs/token,
+    B/s as GB/s, B/token as KiB/token."""
+    per_token = "/token" if unit.endswith("/token") else ""
+    scales = SCALES.get(unit.removesuffix("/token"))
+    if not scales or not values:
+        return 1.0, unit
+    middle = abs(statistics.median(values))
+    smallest, factor, name = next(s for s in scales if middle >= s[0] or s[0] == 0)
+    return factor, name + per_token
+
+
+def line_keys(table: list[dict[str, Any]]) -> list[str]:
+    """The parameters that tell a metric's rows apart (a table line each); the others are
+    constant per metric and shown once (`constants`) or in their cells."""
+    keys: set[str] = set()
+    for metric in {row["metric"] for row in table}:
+        rows_of = [row for row in table if row["metric"] == metric]
+        keys |= {k for row in rows_of for k in row["parameters"]
+                 if len({str(r["parameters"].get(k)) for r in rows_of}) > 1}
+    return sorted(keys - {"baseline"})
+
+
+def constants(table: list[dict[str, Any]]) -> dict[str, Any]:
+    """Parameters every row carries with one value (the run's settings, said once)."""
+    first = table[0]["parameters"]
+    return {k: v for k, v in first.items() if k != "baseline"
+            and all(row["parameters"].get(k) == v for row in table)}
+
+
+def pivot(table: list[dict[str, Any]]) -> tuple[list[str], list[tuple], dict]:
+    """The rows of a benchmark as one table: a column per metric (and baseline, where one metric
+    is compared against several), a line per setting of `line_keys`. Returns (those keys, the
+    lines in first-seen order, {(line, column): row})."""
+    keys = line_keys(table)
+    baselines: dict[str, set] = {}
+    for row in table:
+        baselines.setdefault(row["metric"], set()).add(row["parameters"].get("baseline"))
+    cells, lines = {}, []
+    for row in table:
+        line = tuple(row["parameters"].get(k) for k in keys)
+        baseline = row["parameters"].get("baseline")
+        column = (row["metric"], baseline if len(baselines[row["metric"]]) > 1 else None)
+        if line not in lines:
+            lines.append(line)
+        cells[line, column] = row
+    return keys, lines, cells
+
+
+def conclusion(table: list[dict[str, Any]]) -> str:
+    """One line computed from the figures: per compared metric, the settings with the lowest
+    and the highest median ratio against its baseline."""
+    keys = line_keys(table)
+    parts = []
+    for metric in dict.fromkeys(row["metric"] for row in table):
+        compared = [row for row in table if row["metric"] == metric and row["ratios"]
+                    and row["parameters"].get("baseline") is not None
+                    and statistics.median(row["ratios"]) != 1]
+        if not compared:
+            continue
+        low, high = (f(compared, key=lambda r: statistics.median(r["ratios"]))
+                     for f in (min, max))
+
+        def setting(row):
+            return ", ".join(f"{k}={row['parameters'][k]}" for k in keys
+                             if row["parameters"].get(k) is not None) or "the only setting"
+        baseline = low["parameters"]["baseline"]
+        span = (f"{_number(statistics.median(low['ratios']))}x ({setting(low)})"
+                + ("" if low is high else
+                   f" to {_number(statistics.median(high['ratios']))}x ({setting(high)})"))
+        parts.append(f"{metric} {span} of {baseline}")
+    return ("**In short:** " + "; ".join(parts) + ".") if parts else ""
+
+
 def section(which: str, runs: list[list[dict[str, Any]]]) -> list[str]:
-    """A benchmark's heading, description, the runs it summarises and its table."""
+    """A benchmark's heading, the question it answers, the runs it summarises, one table (a
+    column per metric, values in readable units, ratios beside them) and its conclusion."""
     table = rows(runs)
     if any(row["ratios"] for row in table) and len(runs) < MIN_RUNS_FOR_A_RATIO:
         raise StaleResults(f"bench {which}: {len(runs)} saved run(s); a ratio is published as "
@@ -93,23 +179,48 @@ def section(which: str, runs: list[list[dict[str, Any]]]) -> list[str]:
     first = runs[0][0]
     machines = {(r[0]["machine"]["cores"], r[0]["machine"]["cpu"], r[0]["machine"]["memory_gib"],
                  r[0]["machine"]["gpu"]) for r in runs}
-    lines = [f"## `eagle-ray bench {which}`", "", description(which), "",
-             f"{len(runs)} runs, {min(r[0]['date'] for r in runs)} to "
-             f"{max(r[0]['date'] for r in runs)}, commits "
-             f"{', '.join(sorted({r[0]['commit'] for r in runs}))}; "
-             + "; ".join(f"{cores} cores ({cpu}), {memory} GiB" + (f", {gpu}" if gpu else "")
-                         for cores, cpu, memory, gpu in sorted(machines, key=str))
-             + f"; `{first['options']['command']}`.", "",
-             "| metric | parameters | value (median, range) | unit | ratio (median, range) "
-             "| also measured (median) |", "|---|---|---|---|---|---|"]
-    for row in table:
-        parameters = ", ".join(f"{k}={v}" for k, v in row["parameters"].items())
-        measured = ", ".join(f"{k}={_number(statistics.median(v))}"
-                             for k, v in row["measured"].items())
-        ratio = figure(row["ratios"]) if row["ratios"] else ""
-        lines.append(f"| {row['metric']} | {parameters} | {figure(row['values'])} | "
-                     f"{row['unit']} | {ratio} | {measured} |")
-    return lines + [""]
+    varying, lines, cells = pivot(table)
+    fixed = constants(table)
+    columns = list(dict.fromkeys(column for _, column in cells))
+    headers = []
+    scales = {}
+    for metric, baseline in columns:
+        rows_of = [row for (_, c), row in cells.items() if c == (metric, baseline)]
+        factor, unit = scaled_unit(rows_of[0]["unit"],
+                                   [statistics.median(r["values"]) for r in rows_of])
+        scales[metric, baseline] = factor
+        against = baseline or next((r["parameters"].get("baseline") for r in rows_of
+                                    if r["ratios"]), None)
+        headers.append(f"{metric} ({unit}" + (f"; x {against}" if against else "") + ")")
+    out = [f"## `eagle-ray bench {which}`", "", description(which), "",
+           f"{len(runs)} runs, {min(r[0]['date'] for r in runs)[:10]} to "
+           f"{max(r[0]['date'] for r in runs)[:10]}, commits "
+           f"{', '.join(sorted({r[0]['commit'] for r in runs}))}; "
+           + "; ".join(f"{cores} cores ({cpu}), {memory} GiB" + (f", {gpu}" if gpu else "")
+                       for cores, cpu, memory, gpu in sorted(machines, key=str))
+           + f"; `{first['options']['command']}`"
+           + "".join(f"; {k}={v}" for k, v in fixed.items()) + ".", "",
+           "| " + " | ".join(varying + headers) + " |",
+           "|" + "---|" * (len(varying) + len(headers))]
+    for line in lines:
+        row_cells = []
+        for column in columns:
+            row = cells.get((line, column))
+            if row is None:
+                row_cells.append("")
+                continue
+            cell = figure(row["values"], scales[column])
+            if row["ratios"] and row["parameters"].get("baseline") is not None:
+                cell += f" · {figure(row['ratios'])}x"
+            cell += "".join(f" · {k} {_number(statistics.median(v))}"
+                            for k, v in row["measured"].items())
+            cell += "".join(f" · {k} {v}" for k, v in row["parameters"].items()
+                            if k not in varying and k not in fixed and k != "baseline")
+            row_cells.append(cell)
+        out.append("| " + " | ".join(["" if v is None else str(v) for v in line] + row_cells)
+                   + " |")
+    summary = conclusion(table)
+    return out + ([""] + [summary] if summary else []) + [""]
 
 
 def render(directory: Path = RESULTS_DIR) -> str:
@@ -119,7 +230,8 @@ def render(directory: Path = RESULTS_DIR) -> str:
              "<!-- generated by `python -m eagle_ray.bench.tables > docs/benchmarks.md` from "
              "benchmarks/results/; do not edit -->", "",
              "Every figure is the median over the saved runs of its benchmark (range in "
-             "brackets), each run measuring its comparisons side by side "
+             "brackets; `· 1.2x` is its ratio to the baseline its column names), each run "
+             "measuring its comparisons side by side "
              "(`eagle-ray bench NAME --save`; testing.md says how CI runs every benchmark "
              f"with `--quick`). A ratio is published from at least {MIN_RUNS_FOR_A_RATIO} runs. "
              "These are a shared 2-core CPU machine's figures unless a GPU is named: compare "

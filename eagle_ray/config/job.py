@@ -83,7 +83,9 @@ class TrainConfig:
     grad_clip: float = 0.5
     """Gradient norm clip."""
     ttt_steps: int = 7
-    """Test-time-training steps (every `eval.num_speculative_tokens` must be at most this)."""
+    """Draft tokens trained per position: EAGLE-3's test-time-training steps, P-EAGLE's
+    parallel depths, DFlash's block size - 1 (every `eval.num_speculative_tokens` must be at
+    most this)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """`auto`: bf16 autocast on a GPU with bf16 (fp32 master weights and optimizer state, TF32
     matmuls), fp32 on the CPU; bf16 on a GPU without it is an error."""
