@@ -17,11 +17,23 @@ from eagle_ray.target_batch import NUM_AUX_LAYERS
 class AuxLayerIds(list):
     """Aux layer ids already checked for a target of `num_layers` layers: what
     `validate_aux_layer_ids` returns, so a backend's later steps (vLLM's capture ids, the base
-    class) do not check them again."""
+    class) do not check them again. Immutable (a change after the check would pass unchecked):
+    every mutating method raises; a plain copy (`list(ids)`) is checked again where it is used.
+    A list still, so it compares, serialises and prints as the ids it holds."""
 
     def __init__(self, ids: Sequence[int], num_layers: int) -> None:
         super().__init__(ids)
         self.num_layers = num_layers
+
+    def __reduce__(self):  # pickling a list subclass would append into it
+        return AuxLayerIds, (list(self), self.num_layers)
+
+    def _immutable(self, *args, **kwargs):
+        raise TypeError("validated aux layer ids are immutable: build a new list of ids and "
+                        "validate it (validate_aux_layer_ids)")
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _immutable
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _immutable
 
 
 def default_eagle3_aux_layer_ids(num_layers: int) -> list[int]:

@@ -144,7 +144,7 @@ def _simulate(serving: DraftServing, prompts: EvalPrompts, tokenizer, eval_confi
 
     aux_layer_ids = list(exported_target(serving.draft_dir).aux_layer_ids)
     target = HFEagle3TargetModel.from_pretrained(
-        serving.model_path, aux_layer_ids, dtype=serving.dtype,
+        serving.model_path, aux_layer_ids=aux_layer_ids, dtype=serving.dtype,
         device="cuda" if torch.cuda.is_available() else None)
     embedding = target.get_input_embeddings().weight.detach()
     # The drafts in fp32 (as trained), on the target's device.

@@ -129,7 +129,8 @@ def gated_hf_target(config) -> RunnerEagle3TargetModel:
     from eagle_ray.backends.hf import HFEagle3TargetModel
 
     target = HFEagle3TargetModel.from_pretrained(
-        config.model_path, config.aux_layer_ids, None if config.dtype == "auto" else config.dtype)
+        config.model_path, aux_layer_ids=config.aux_layer_ids,
+        dtype=None if config.dtype == "auto" else config.dtype)
     target.runner = GatedRunner(target.runner, config.backend_kwargs["hold_while"])
     return target
 

@@ -52,8 +52,8 @@ def main(k: int = 3) -> None:
     stops = stop_token_ids(tokenizer)
     prompts = [prompt_for_turn(tokenizer, s["messages"], 2)
                for s in generate_chat_samples(16, seed=77)]
-    target = HFEagle3TargetModel.from_pretrained(path, drafts.AUX_LAYER_IDS["dflash"],
-                                                 dtype=torch.float32)
+    target = HFEagle3TargetModel.from_pretrained(
+        path, aux_layer_ids=drafts.AUX_LAYER_IDS["dflash"], dtype=torch.float32)
     answers = [greedy_generate(target, p, 32, stops) for p in prompts]
     supervision, vocab = drafts._supervision(target, tokenizer, 320)
     with tempfile.TemporaryDirectory() as tmp:

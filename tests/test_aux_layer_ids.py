@@ -85,3 +85,24 @@ def test_a_micro_batch_checked_by_the_caller_is_not_checked_again(monkeypatch):
     assert calls == []
     backend.generate_batch(*batch)  # control: unchecked input is checked
     assert calls == [1]
+
+
+def test_validated_ids_cannot_change_after_the_check_and_survive_pickling():
+    import copy
+    import pickle
+
+    from eagle_ray.aux_layers import AuxLayerIds, validate_aux_layer_ids
+
+    ids = validate_aux_layer_ids([1, 3, 5], 8)
+    for mutate in (lambda: ids.append(9), lambda: ids.__setitem__(0, 9), lambda: ids.sort(),
+                   lambda: ids.extend([9]), lambda: ids.pop()):
+        with pytest.raises(TypeError, match="immutable"):
+            mutate()
+    assert ids == [1, 3, 5]
+    for back in (pickle.loads(pickle.dumps(ids)), copy.deepcopy(ids)):
+        assert isinstance(back, AuxLayerIds) and back == [1, 3, 5] and back.num_layers == 8
+    assert validate_aux_layer_ids(ids, 8) is ids  # checked once
+    copied = list(ids)  # a plain copy may change, and is checked again
+    copied[0] = 9
+    with pytest.raises(ValueError, match="outside"):
+        validate_aux_layer_ids(copied, 8)

@@ -79,3 +79,16 @@ def test_moe_targets_capture_hf_hidden_states_and_ignore_padding(family, family_
         torch.testing.assert_close(batch.aux_hidden_states[row, :n], expected, rtol=1e-5,
                                    atol=1e-5, msg=f"row {row}")
         assert batch.aux_hidden_states.shape[-1] == 3 * hidden
+
+
+def test_both_backends_take_the_path_then_keywords_only():
+    """One `from_pretrained` contract: a positional second argument (once `device` on one
+    backend and `tp_size` on the other) is refused on both."""
+    import inspect
+
+    from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
+
+    for backend in (HFEagle3TargetModel, VLLMEagle3TargetModel):
+        parameters = list(inspect.signature(backend.from_pretrained).parameters.values())
+        assert parameters[0].name == "model_path"
+        assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in parameters[1:]), backend

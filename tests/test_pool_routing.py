@@ -17,7 +17,7 @@ import torch
 
 from eagle_ray.backends.base import SelfCheckError
 from eagle_ray.fp8 import ROUND_TRIP_BOUND
-from eagle_ray.pool import ClientConfig, MicroBatchFailed, PoolClient
+from eagle_ray.pool import ClientConfig, MicroBatchFailed, PoolClient, TargetPool
 from eagle_ray.pool.transport import batch_from_numpy, batch_to_numpy
 from eagle_ray.target_batch import Eagle3TargetBatch
 from eagle_ray.testing import synthetic_aux_states
@@ -355,7 +355,11 @@ def test_a_replica_is_drained_with_leases_out_and_an_added_one_serves(gate):
     try:
         client = PoolClient.connect("scale", "eagle_ray_test",
                                     ClientConfig(max_inflight_micro_batches=4))
-        index = pool.add_replica()
+        # Added through an attached pool: it has the pool's own config (the router keeps it),
+        # so the replica it starts is built like the first one.
+        attached = TargetPool.connect("scale", "eagle_ray_test")
+        assert attached.config == pool.config
+        index = attached.add_replica()
         pool.wait_ready(2)
         inputs = micro_batches(12, seed=8)
         results = []

@@ -289,7 +289,7 @@ def test_a_peagle_draft_trains_exports_and_vllm_drafts_with_it_in_parallel(local
     output unchanged, agrees with the simulation and accepts more than the untrained draft."""
     output_dir = tmp_path / "peagle"
     summary = run_job(job(output_dir, "draft.kind=peagle", "draft.num_layers=2",
-                          "run_name=peagle-test",
+                          "run_name=peagle-test", "train.ttt_steps=3", "train.workers=1",
                           "train.loggers=[]", "eval.num_speculative_tokens=[3]",
                           "eval.temperatures=[0.0]"))
     config = json.loads((output_dir / "draft" / "config.json").read_text())
@@ -332,8 +332,8 @@ def test_sampling_near_temperature_zero_simulates_the_greedy_acceptance(trained)
 
     _, summary, _ = trained
     served = exported_target(summary["draft_dir"])
-    target = HFEagle3TargetModel.from_pretrained(served.model_path, list(served.aux_layer_ids),
-                                                 dtype=torch.float32)
+    target = HFEagle3TargetModel.from_pretrained(
+        served.model_path, aux_layer_ids=list(served.aux_layer_ids), dtype=torch.float32)
     draft, vocab = load_exported_draft(summary["draft_dir"],
                                        target.get_input_embeddings().weight.detach())
     tokenizer = AutoTokenizer.from_pretrained(served.model_path)

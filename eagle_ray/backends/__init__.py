@@ -39,7 +39,7 @@ def build_backend(config: PoolConfig, object_store_bytes: int = 0) -> RunnerEagl
         from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
 
         return VLLMEagle3TargetModel.from_pretrained(
-            model_path, config.aux_layer_ids, dtype, tp_size=config.tp_size,
+            model_path, aux_layer_ids=config.aux_layer_ids, dtype=dtype, tp_size=config.tp_size,
             vllm_kwargs=config.vllm_kwargs, encoding=config.encoding,
             max_call_tokens=config.max_tokens_per_engine_call,
             object_store_bytes=object_store_bytes, **config.backend_kwargs)
@@ -47,7 +47,8 @@ def build_backend(config: PoolConfig, object_store_bytes: int = 0) -> RunnerEagl
         from eagle_ray.backends.hf import HFEagle3TargetModel
 
         return HFEagle3TargetModel.from_pretrained(
-            model_path, config.aux_layer_ids, dtype, device="cuda" if config.use_gpu else None,
+            model_path, aux_layer_ids=config.aux_layer_ids, dtype=dtype,
+            device="cuda" if config.use_gpu else None,
             encoding=config.encoding, **config.backend_kwargs)
     module_name, _, attr = config.backend.partition(":")
     factory = getattr(importlib.import_module(module_name), attr)

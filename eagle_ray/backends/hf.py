@@ -129,6 +129,7 @@ class HFEagle3TargetModel(RunnerEagle3TargetModel):
     def from_pretrained(
         cls,
         model_path: str | Path,
+        *,
         aux_layer_ids: Sequence[int] | None = None,
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,

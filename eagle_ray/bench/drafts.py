@@ -33,7 +33,9 @@ NUM_LAYERS = {"dflash": 3}
 
 
 def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts: int = 16,
-        max_new_tokens: int = 32, rounds: int = 2, samples: int = 320) -> None:
+        max_new_tokens: int = 32, rounds: int = 2, samples: int = 320,
+        kinds: tuple[str, ...] = KINDS) -> None:
+    """`kinds`: EAGLE-3 (the baseline) and the others compared with it."""
     from eagle_ray.backends.hf import HFEagle3TargetModel
     from eagle_ray.chat import prompt_for_turn, stop_token_ids
     from eagle_ray.evaluate import greedy_generate
@@ -44,7 +46,7 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
 
     _, tokenizer = load_tokenizer(model_path, {}, "the benchmark")
     targets = {kind: HFEagle3TargetModel.from_pretrained(
-        model_path, AUX_LAYER_IDS.get(kind), dtype=torch.float32) for kind in KINDS}
+        model_path, aux_layer_ids=AUX_LAYER_IDS.get(kind), dtype=torch.float32) for kind in kinds}
     stops = stop_token_ids(tokenizer)
     held_out = [prompt_for_turn(tokenizer, s["messages"], 2)
                 for s in generate_chat_samples(prompts, seed=77)]
@@ -63,7 +65,7 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
         served_rates = _serve(model_path, {k: d for k, (_, d) in drafts.items()}, held_out, ks,
                               max_new_tokens, stops, answers, rounds)
     for k in ks:
-        for kind in KINDS:
+        for kind in kinds:
             common = {"kind": kind, "k": k, "steps": steps, "baseline": "eagle3"}
             emit("drafts", "simulated_acceptance_length", round(simulated[kind][k], 3), "tokens",
                  ratio=round(simulated[kind][k] / simulated["eagle3"][k], 3), **common)

@@ -147,8 +147,8 @@ def size_window(pool: TargetPool, tokens_per_micro_batch: int, *, clients: int =
                 base: ClientConfig | None = None, timeout_s: float = 600.0) -> ClientConfig:
     """`window_config` with the pool's own figures: its replicas now (not failed; `replicas`
     for an autoscaled pool's target), a ready replica's `max_tokens_per_engine_call` and
-    identity (waits up to `timeout_s` for one), and `pool.config`'s router cap (a pool attached
-    with `TargetPool.connect` knows only the default: pass the cap it was started with)."""
+    identity (waits up to `timeout_s` for one), and `pool.config`'s router cap (an attached
+    pool's too: `TargetPool.connect` reads the config the pool was created with)."""
     import ray
 
     info = ray.get(pool.router.target_info.remote(timeout_s))

@@ -81,8 +81,7 @@ class TargetPool:
             lifetime="detached" if config.detached else None,
             max_restarts=-1, num_cpus=0, max_concurrency=10_000,
             resources=dict(config.router_resources),
-        ).remote(config.replica_prefix, config.namespace,
-                 config.max_outstanding_tokens_per_replica, config.locality)
+        ).remote(config)
         pool = cls(config, router)
         replicas = config.initial_replicas
         for _ in range(replicas):
@@ -103,14 +102,17 @@ class TargetPool:
 
     @classmethod
     def connect(cls, name: str = "eagle_ray_pool", namespace: str = "eagle_ray") -> TargetPool:
-        """Attach to a running (e.g. detached) pool by name."""
-        config = PoolConfig(name=name, namespace=namespace)
+        """Attach to a running (e.g. detached) pool by name, with the configuration it was
+        created with (the router keeps it): `add_replica` starts replicas like its others."""
         try:
-            router = ray.get_actor(config.router_name, namespace=namespace)
+            router = ray.get_actor(PoolConfig(name=name, namespace=namespace).router_name,
+                                   namespace=namespace)
         except ValueError:
             raise ValueError(f"no eagle_ray pool named {name!r} in namespace {namespace!r} on "
                              f"this cluster; start one with `eagle-ray serve`") from None
-        return cls(config, router)
+        pool = cls(PoolConfig(name=name, namespace=namespace), router)
+        pool.config = pool._call_router("pool_config")
+        return pool
 
     def add_replica(self) -> int:
         """Reserve a placement group and start one replica in it; returns its index.

@@ -21,6 +21,7 @@ import psutil
 import ray
 from ray.actor import ActorHandle
 
+from eagle_ray.config.pool import PoolConfig
 from eagle_ray.pool.leases import GrantedLease, LeaseBook, owner_gone
 from eagle_ray.pool.protocol import (
     AutoscalingReport,
@@ -55,12 +56,10 @@ class PoolRouter:
     """Async Ray actor; see the module docstring. Created by `TargetPool`, named
     `<pool name>-router` in the pool's namespace."""
 
-    def __init__(self, replica_prefix: str, namespace: str,
-                 max_outstanding_tokens_per_replica: int, locality: bool = True) -> None:
-        self._prefix = replica_prefix
-        self._namespace = namespace
-        self._max_tokens = max_outstanding_tokens_per_replica
-        self._locality = locality
+    def __init__(self, config: PoolConfig) -> None:
+        self._config = config  # the pool's own (`pool_config`: what `TargetPool.connect` gets)
+        self._prefix = config.replica_prefix
+        self._namespace = config.namespace
         self._replicas: dict[str, ReplicaRecord] = {}  # name -> state
         self._next_index = 0  # the lowest replica index never handed out (`reserve_index`)
         self._removed: set[str] = set()  # names dropped on purpose; discovery skips them
@@ -72,10 +71,13 @@ class PoolRouter:
         self._waiting_tokens = 0  # of lease requests waiting for room (part of the demand)
         self._autoscaling: AutoscalingReport | None = None  # the controller's last report
         self._last_health = 0.0  # monotonic time of the last probe of ready replicas
-        self._metrics = RouterMetrics(replica_prefix.removesuffix("-replica-"))
+        self._metrics = RouterMetrics(config.name)
         self._discovery = asyncio.get_event_loop().create_task(self._discover_forever())
 
     # ------------------------------------------------------------------ membership
+
+    async def pool_config(self) -> PoolConfig:  # what `TargetPool.connect` attaches with
+        return self._config
 
     async def add_replica(self, name: str, handle: ActorHandle | None = None) -> None:
         """Called by `TargetPool` right after it creates a replica actor (and by discovery)."""
@@ -86,10 +88,9 @@ class PoolRouter:
             self._probe_soon(self._replicas[name])
 
     async def reserve_index(self) -> int:
-        """A replica index no live replica of the pool has and none handed out before: the one
-        allocator `TargetPool.add_replica` and the autoscaling controller share, so a manual add
-        after an autoscale-up gets a fresh name. After a router restart, live names (and the
-        replicas adopted) seed it again. Repeating a call only skips an index."""
+        """A replica index no live replica has and none handed out before: the one allocator
+        `TargetPool.add_replica` and the controller share (a manual add after an autoscale-up
+        gets a fresh name); live names seed it after a restart. A repeat skips an index."""
         alive = await asyncio.to_thread(live_replica_names, self._prefix, self._namespace)
         index = max([self._next_index, *(replica_index(name, self._prefix) + 1
                                          for name in [*alive, *self._replicas])])
@@ -249,8 +250,9 @@ class PoolRouter:
     def _try_grant(self, num_tokens: int, avoid: list[str], client_node: str | None,
                    owner: LeaseOwner | None = None) -> Grant | None:
         """Lease the replica the policy chooses now, or None when none has room."""
-        replica = choose_replica(self._replicas.values(), num_tokens, set(avoid),
-                                 self._max_tokens, client_node if self._locality else None)
+        cap = self._config.max_outstanding_tokens_per_replica
+        replica = choose_replica(self._replicas.values(), num_tokens, set(avoid), cap,
+                                 client_node if self._config.locality else None)
         if replica is None:
             return None
         replica.outstanding_tokens += num_tokens
@@ -371,7 +373,7 @@ class PoolRouter:
             replicas={name: r.summary() for name, r in sorted(self._replicas.items())},
             ready_replicas=sum(r.state is ReplicaState.READY for r in replicas),
             leases=self._leases, lease_calls=self._lease_calls, leases_taken_back=self._taken_back,
-            locality=self._locality,
+            locality=self._config.locality,
             on_node_share=round(sum(r.on_node_leases for r in replicas) / leases, 3)
             if leases else None,
             demand_tokens=self._demand_tokens(), autoscaling=self._autoscaling,

@@ -42,12 +42,12 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
     def from_pretrained(
         cls,
         model_path: str | Path,
+        *,
         aux_layer_ids: Sequence[int] | None = None,
         dtype: torch.dtype | str | None = None,
         tp_size: int = 1,
         trust_remote_code: bool = False,
         vllm_kwargs: dict[str, Any] | None = None,
-        *,
         encoding: Encoding = "last_hidden",
         draft_vocab: DraftVocab | None = None,
         self_check: bool = True,
