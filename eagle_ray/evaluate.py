@@ -170,8 +170,8 @@ def _simulate(serving: DraftServing, prompts: EvalPrompts, tokenizer, eval_confi
             for k in eval_config.num_speculative_tokens}},
         "served_with": dataclasses.asdict(serving)}
     report["draft"]["seconds_per_verify_step"] = {
-        str(k): draft_seconds_per_verify_step(target, trained, vocab, turn_prompts[:4], k)
-        for k in eval_config.num_speculative_tokens}
+        str(k): seconds for k, seconds in draft_seconds_per_verify_step(
+            target, trained, vocab, turn_prompts[:4], eval_config.num_speculative_tokens).items()}
     continuations = greedy([], turn_prompts)
     report["target_top_probability"] = target_top_probability(target, turn_prompts,
                                                                continuations)

@@ -20,6 +20,7 @@ sqrt(sum of the conditional variances) of 0 (`SampledAcceptance.deviation`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 import time
@@ -42,22 +43,24 @@ def draft_chain(draft: Eagle3Draft, vocab: DraftVocab, aux_hidden_states: torch.
 
 @torch.inference_mode()
 def draft_seconds_per_verify_step(target: HFEagle3TargetModel, draft: Eagle3Draft,
-                                  vocab: DraftVocab, prompts: list[list[int]], k: int,
-                                  repeats: int = 3) -> float:
-    """Median wall time of the draft's proposal for one verify step after each prompt, on the
-    draft's device: what vLLM runs per step (k forwards for a chain, one for parallel
-    drafting) without the engine around it. Nothing asserts it: a measurement, not a rule."""
-    seconds = []
+                                  vocab: DraftVocab, prompts: list[list[int]],
+                                  ks: list[int] | tuple[int, ...], repeats: int = 3
+                                  ) -> dict[int, float]:
+    """Per k, the median wall time of the draft's proposal for one verify step after each
+    prompt, on the draft's device: what vLLM runs per step (k forwards for a chain, one for
+    parallel drafting) without the engine around it (the target runs once per prompt). Nothing
+    asserts it: a measurement, not a rule."""
+    seconds: dict[int, list[float]] = {k: [] for k in ks}
     for prompt in prompts:
         ids = torch.tensor([prompt])
         aux = target.runner.run(ids, torch.ones_like(ids)).aux_hidden_states
-        for _ in range(repeats):
+        for k, _ in itertools.product(ks, range(repeats)):
             _synchronize(aux.device)
             start = time.perf_counter()
             draft_chain(draft, vocab, aux, prompt, prompt[-1], k)
             _synchronize(aux.device)
-            seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds) if seconds else math.nan
+            seconds[k].append(time.perf_counter() - start)
+    return {k: statistics.median(s) if s else math.nan for k, s in seconds.items()}
 
 
 def _synchronize(device: torch.device) -> None:

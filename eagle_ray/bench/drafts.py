@@ -60,8 +60,8 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
                 TargetIdentity.of_backend(target, model_path), Path(tmp) / kind)
             drafts[kind] = (draft, folder)
             simulated[kind] = _simulate(target, draft, vocab, held_out, answers, ks)
-            draft_seconds[kind] = {k: draft_seconds_per_verify_step(
-                target, draft, vocab, held_out, k, repeats=5) for k in ks}
+            draft_seconds[kind] = draft_seconds_per_verify_step(target, draft, vocab, held_out,
+                                                                ks, repeats=5)
         served_rates = _serve(model_path, {k: d for k, (_, d) in drafts.items()}, held_out, ks,
                               max_new_tokens, stops, answers, rounds)
     for k in ks:

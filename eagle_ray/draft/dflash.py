@@ -194,10 +194,11 @@ class DFlashDraft(nn.Module):
         gamma = self.decay_gamma or default_decay_gamma(depth + 1)
         weighted = counted = torch.zeros((), device=aux_hidden_states.device)
         losses, accuracies = [], []
+        answers, targeted = loss_mask.bool(), position_mask.bool()
         for j in range(1, depth + 1):
             source, label = anchors + j - 1, anchors + j
-            valid = (kept & (label < seq) & loss_mask.bool().gather(1, label.clamp(max=seq - 1))
-                     & position_mask.bool().gather(1, source.clamp(max=seq - 1)))
+            valid = (kept & (label < seq) & answers.gather(1, label.clamp(max=seq - 1))
+                     & targeted.gather(1, source.clamp(max=seq - 1)))
             probs = target_probs.gather(
                 1, source.clamp(max=seq - 1).unsqueeze(-1).expand(-1, -1, vocab))
             step_logits = logits[:, :, j]
