@@ -9,6 +9,8 @@ from pathlib import Path
 
 import psutil
 
+from process_tree import descendants
+
 BIN = Path(sys.executable).parent  # the environment's ray / eagle-ray / python
 
 
@@ -34,10 +36,7 @@ def stop_head(temp_dir: str, gcs_address: str) -> None:
            if any(temp_dir in arg or gcs_address in arg for arg in p.info["cmdline"] or [])]
     family = {p.pid: p for p in own}
     for process in own:
-        try:
-            family.update({c.pid: c for c in process.children(recursive=True)})
-        except psutil.NoSuchProcess:
-            pass
+        family.update({c.pid: c for c in descendants(process.pid)})
     for process in family.values():
         try:
             process.kill()

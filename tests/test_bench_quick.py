@@ -2,30 +2,15 @@
 that run all of its code), so a benchmark cannot break unnoticed; what is checked is the shape of
 its JSON lines, never the figures (performance lives in the full runs, docs/benchmarks.md)."""
 
-import json
-import math
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from eagle_ray.bench import BENCHMARKS
 
+from bench_lines import EAGLE_RAY, result_lines
+
 pytestmark = pytest.mark.slow
-
-EAGLE_RAY = str(Path(sys.executable).parent / "eagle-ray")
-
-
-def result_lines(stdout: str) -> list[dict]:
-    """The benchmark's result lines, each checked for the fields every line carries."""
-    records = [json.loads(line) for line in stdout.splitlines()]
-    for record in records:
-        assert {"bench", "metric", "value", "unit"} <= set(record), record
-        assert isinstance(record["value"], int | float) and math.isfinite(record["value"]), record
-        if "baseline" in record:  # a comparison carries its ratio, measured in the same run
-            assert isinstance(record["ratio"], int | float), record
-    return records
 
 
 def test_result_lines_are_checked_for_their_fields():
@@ -38,7 +23,8 @@ def test_result_lines_are_checked_for_their_fields():
             result_lines(broken)
 
 
-@pytest.mark.parametrize("which", sorted(set(BENCHMARKS) - {"gpu"}))  # gpu: test_bench_gpu
+# gpu: test_bench_gpu runs it; soak: test_soak runs its quick mode and checks what it reports.
+@pytest.mark.parametrize("which", sorted(set(BENCHMARKS) - {"gpu", "soak"}))
 def test_every_benchmark_runs_in_quick_mode(which):
     done = subprocess.run([EAGLE_RAY, "bench", which, "--quick"], capture_output=True,
                           text=True, timeout=600)

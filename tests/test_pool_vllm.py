@@ -3,7 +3,6 @@
 The replica runs tensor parallelism (TP = 2) the way a GPU pool does: it holds both ranks'
 resources in its placement group and vLLM runs the ranks as its own worker processes."""
 
-import psutil
 import pytest
 import ray
 import torch
@@ -17,6 +16,7 @@ from eagle_ray.pool.engine_queue import merge_micro_batches, split_batch
 from eagle_ray.testing import random_micro_batch
 
 from fuzz_inputs import as_replica_inputs, hostile_micro_batches, valid_at_a_replica
+from process_tree import descendants
 from reference_checks import assert_matches_reference
 
 pytestmark = pytest.mark.slow
@@ -76,8 +76,7 @@ def test_pool_output_equals_the_backend_called_directly_bitwise(vllm_pool, llama
     (group,) = [g for g in ray.util.placement_group_table().values()
                 if g["name"] == vllm_pool.config.placement_group_name(0)]
     assert list(group["bundles"].values()) == [{"CPU": float(TP)}]
-    workers = sorted(p.name() for p in psutil.Process(info.pid).children(recursive=True)
-                     if p.name().startswith("VLLM::Worker"))
+    workers = sorted(p.name() for p in descendants(info.pid) if p.name().startswith("VLLM::Worker"))
     assert workers == [f"VLLM::Worker_TP{rank}" for rank in range(TP)]
     direct = VLLMEagle3TargetModel.from_pretrained(llama_path, dtype="float32", tp_size=TP)
     try:

@@ -121,10 +121,11 @@ QUICK: dict[str, dict[str, Any]] = {
     "train": {"steps": 2, "rounds": 1, "seq": 64},
     "cache": {"micro_batches": 4},
     "ingest": {"sizes": (200,)},
-    "soak": {"minutes": 0.1},
+    "soak": {"minutes": 0.1, "clients": 3, "cycle_faults": True},  # every fault: test_soak
     "gpu": {"small": True},
-    "self-check": {"rows": 16, "wide": {"hidden": 256, "vocab": 4096, "intermediate": 512,
-                                        "heads": 4, "kv_heads": 2}},
+    "self-check": {"rows": 16, "tiny": False,  # one engine: both targets run the same code
+                   "wide": {"hidden": 256, "vocab": 4096, "intermediate": 512, "heads": 4,
+                            "kv_heads": 2}},
     "drafts": {"steps": 4, "ks": (3,), "prompts": 2, "max_new_tokens": 8, "rounds": 1,
                "samples": 16, "kinds": ("eagle3", "dflash")},  # P-EAGLE: EAGLE-3's code path
 }

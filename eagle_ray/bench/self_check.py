@@ -137,15 +137,16 @@ def count(engine: TwoStateEngine, rows: int, seed: int = 0) -> dict[str, Any]:
 
 
 def run(model_path: str, rows: int = 1024, dtype: str = "bfloat16",
-        wide: dict[str, int] | None = None) -> None:
+        wide: dict[str, int] | None = None, tiny: bool = True) -> None:
     """The self-check's false refusals (right capture) and catches (one layer off) on the real
-    vLLM engine, on the tiny target and a Llama-3.1-8B-shaped one (`wide`: other shapes)."""
+    vLLM engine, on the tiny target (unless not `tiny`) and a Llama-3.1-8B-shaped one (`wide`:
+    other shapes)."""
     from eagle_ray.backends.base import SELF_CHECK_RULE
 
     shape = {**WIDE_SHAPE, **(wide or {})}
-    targets = {"tiny-llama": lambda: Path(model_path),
-               f"llama-h{shape['hidden']}-v{shape['vocab']}-{shape['layers']}l":
-                   lambda: wide_target(**shape)}
+    targets = {"tiny-llama": lambda: Path(model_path)} if tiny else {}
+    targets[f"llama-h{shape['hidden']}-v{shape['vocab']}-{shape['layers']}l"] = \
+        lambda: wide_target(**shape)
     for name, path in targets.items():
         engine = TwoStateEngine(path(), getattr(torch, dtype))
         try:

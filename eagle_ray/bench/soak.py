@@ -257,14 +257,17 @@ def run_phase(seconds: float, clients: int, faults: bool, seed: int,
             "outstanding_tokens_after": outstanding, "leases_taken_back": taken_back}
 
 
-def run(minutes: float = 1.0, clients: int = 4, seed: int = 0) -> dict[str, Any]:
-    """A fault-free phase, then a phase with faults, each `minutes` long; JSON lines out."""
+def run(minutes: float = 1.0, clients: int = 4, seed: int = 0, cycle_faults: bool = False
+        ) -> dict[str, Any]:
+    """A fault-free phase, then a phase with faults, each `minutes` long; JSON lines out
+    (`cycle_faults`: the fault phase lasts until every kind was injected, see `run_phase`)."""
     if not ray.is_initialized():
         ray.init(num_cpus=8, object_store_memory=512 * 2**20, include_dashboard=False,
                  namespace=NAMESPACE, log_to_driver=False)
     clean = run_phase(minutes * 60, clients, faults=False, seed=seed)
-    faulty = run_phase(minutes * 60, clients, faults=True, seed=seed + 1)
-    for key in ("delivered", "lost", "duplicated", "wrong", "retries", "oversized",
+    faulty = run_phase(minutes * 60, clients, faults=True, seed=seed + 1,
+                       cycle_faults=cycle_faults)
+    for key in ("submitted", "delivered", "lost", "duplicated", "wrong", "retries", "oversized",
                 "out_of_memory"):
         emit("soak", key, faulty[key], "micro-batches", minutes=minutes, clients=clients)
     emit("soak", "leases_taken_back", faulty["leases_taken_back"], "leases", minutes=minutes)
