@@ -16,10 +16,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from eagle_ray.checkpoint import load_embedding_and_head
     from eagle_ray.config import ConfigError
     from eagle_ray.config.pool import AutoscalingConfig, ClientConfig, PoolConfig
-    from eagle_ray.identity import TargetIdentity, checkpoint_fingerprint
+    from eagle_ray.contract.checkpoint import load_embedding_and_head
+    from eagle_ray.contract.identity import TargetIdentity, checkpoint_fingerprint
+    from eagle_ray.contract.supervision import DraftVocab, draft_target, soft_cross_entropy
+    from eagle_ray.contract.target_batch import Eagle3TargetBatch
+    from eagle_ray.contract.target_head import TargetHead
     from eagle_ray.pool.client import PoolClient
     from eagle_ray.pool.data_stage import (
         SupervisionRows,
@@ -37,9 +40,6 @@ if TYPE_CHECKING:
         MicroBatchOutOfMemory,
         ReplicaStartupError,
     )
-    from eagle_ray.supervision import DraftVocab, draft_target, soft_cross_entropy
-    from eagle_ray.target_batch import Eagle3TargetBatch
-    from eagle_ray.target_head import TargetHead
     from eagle_ray.target_runner import SelfCheckError
     from eagle_ray.tiny import tiny_chat_dataset, tiny_target
 
@@ -63,15 +63,15 @@ _EXPORTS: dict[str, str] = {
     "write_supervision_rows": "eagle_ray.pool.data_stage",
     "SupervisionRows": "eagle_ray.pool.data_stage",
     # what a pool serves
-    "TargetIdentity": "eagle_ray.identity",
-    "checkpoint_fingerprint": "eagle_ray.identity",
+    "TargetIdentity": "eagle_ray.contract.identity",
+    "checkpoint_fingerprint": "eagle_ray.contract.identity",
     # the supervision record and reading it (docs/contract.md)
-    "Eagle3TargetBatch": "eagle_ray.target_batch",
-    "TargetHead": "eagle_ray.target_head",
-    "load_embedding_and_head": "eagle_ray.checkpoint",
-    "DraftVocab": "eagle_ray.supervision",
-    "draft_target": "eagle_ray.supervision",
-    "soft_cross_entropy": "eagle_ray.supervision",
+    "Eagle3TargetBatch": "eagle_ray.contract.target_batch",
+    "TargetHead": "eagle_ray.contract.target_head",
+    "load_embedding_and_head": "eagle_ray.contract.checkpoint",
+    "DraftVocab": "eagle_ray.contract.supervision",
+    "draft_target": "eagle_ray.contract.supervision",
+    "soft_cross_entropy": "eagle_ray.contract.supervision",
     # errors
     "ConfigError": "eagle_ray.config",
     "MicroBatchFailed": "eagle_ray.pool.protocol",

@@ -27,8 +27,8 @@ def _demo(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from eagle_ray.backends.hf import HFEagle3TargetModel
-    from eagle_ray.chat import tokenize_conversation
-    from eagle_ray.data import collate
+    from eagle_ray.data.chat import tokenize_conversation
+    from eagle_ray.data.micro_batches import collate
     from eagle_ray.tiny import generate_chat_samples, tiny_target
 
     model_path = args.model or tiny_target(args.arch)
@@ -65,8 +65,8 @@ def _train(args: argparse.Namespace) -> int:
     """Train (and evaluate) an EAGLE-3 draft fed by the target pool; prints a summary table
     with the command that serves the draft (`summary.json` and `report.png` in output_dir)."""
     from eagle_ray.config import JobConfig, load_yaml
-    from eagle_ray.report import format_summary
-    from eagle_ray.train import run_job
+    from eagle_ray.train.job import run_job
+    from eagle_ray.train.report import format_summary
 
     job = load_yaml(JobConfig, args.config, args.overrides)
     log_file = _job_console(job, args.verbose)
@@ -111,8 +111,8 @@ def _cache(args: argparse.Namespace) -> int:
     """Write the pool's supervision for the job's data to `data.supervision_cache` (sharded
     safetensors, an index, the target's fingerprint); `eagle-ray train` with the same key then
     reads it instead of starting a pool. Prints the cache's summary (JSON)."""
-    from eagle_ray.cache_job import run_cache
     from eagle_ray.config import JobConfig, load_yaml
+    from eagle_ray.data.cache_job import run_cache
 
     job = load_yaml(JobConfig, args.config, args.overrides)
     _job_console(job, args.verbose)
@@ -129,9 +129,9 @@ def _regenerate(args: argparse.Namespace) -> int:
 
     from eagle_ray.backends.base import Sampling
     from eagle_ray.config import JobConfig, RegenerateConfig, load_yaml
-    from eagle_ray.regenerate import regenerate_file
-    from eagle_ray.tokenizer_files import load_tokenizer
-    from eagle_ray.train import check_paths, init_ray, job_pool
+    from eagle_ray.data.regenerate import regenerate_file
+    from eagle_ray.data.tokenizer_files import load_tokenizer
+    from eagle_ray.driver import check_paths, init_ray, job_pool
 
     sampling_keys = {f.name for f in dataclasses.fields(RegenerateConfig)}
     overrides = [f"regenerate.{o}" if o.partition("=")[0] in sampling_keys else o
@@ -164,11 +164,11 @@ def _eval(args: argparse.Namespace) -> int:
     greedy simulation) on `--prompts` (MT-Bench, GSM8K or chat JSONL) or the job's held-out
     conversations, on the target the draft was exported for (or `target.model_path`)."""
     from eagle_ray.config import ConfigError, JobConfig, apply_overrides, from_dict, load_yaml
+    from eagle_ray.data.ingest import held_out, read_chats
     from eagle_ray.draft.export import exported_target
-    from eagle_ray.evaluate import evaluate_on_cluster, evaluation_prompts
-    from eagle_ray.ingest import held_out, read_chats
-    from eagle_ray.report import format_summary
-    from eagle_ray.train import draft_serving, init_ray
+    from eagle_ray.driver import draft_serving, init_ray
+    from eagle_ray.evaluation.evaluate import evaluate_on_cluster, evaluation_prompts
+    from eagle_ray.train.report import format_summary
 
     overrides = args.overrides + ([f"eval.prompts_file={args.prompts}"] if args.prompts else [])
     job = load_yaml(JobConfig, args.config, overrides) if args.config \

@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from eagle_ray.config import JobConfig
+from eagle_ray.contract.supervision import DraftVocab, draft_target
+from eagle_ray.contract.target_batch import NUM_AUX_LAYERS, Eagle3TargetBatch
+from eagle_ray.contract.target_head import TargetHead
 from eagle_ray.draft.kinds import build_draft
 from eagle_ray.draft.model import DraftConfig
-from eagle_ray.memory import TensorMemoryProbe
-from eagle_ray.supervision import DraftVocab, draft_target
-from eagle_ray.target_batch import NUM_AUX_LAYERS, Eagle3TargetBatch
-from eagle_ray.target_head import TargetHead
+from eagle_ray.train.memory import TensorMemoryProbe
 
 GIB = 2**30
 # Stated assumptions (no GPU measurement yet): what a CUDA context and the caching allocator's
@@ -199,7 +199,7 @@ def check_trainer_fits(plan: Plan, budget_gib: float | None = None) -> None:
 def check_job_fits(job: JobConfig, plan: Plan, trainer_budget_gib: float | None = None
                    ) -> None:
     """The trainer's and (for vLLM) the replica's checks, for a GPU job."""
-    from eagle_ray.engine_sizing import sized_pool_config
+    from eagle_ray.backends.vllm.sizing import sized_pool_config
 
     check_trainer_fits(plan, trainer_budget_gib)
     if job.target.backend == "vllm":
@@ -336,7 +336,7 @@ def parameter_counts(target_config) -> tuple[int, int]:
 
 
 def _dtype(name: str, text_config) -> torch.dtype:
-    from eagle_ray.checkpoint import resolve_dtype
+    from eagle_ray.contract.checkpoint import resolve_dtype
 
     return resolve_dtype(None if name == "auto" else name, text_config)
 

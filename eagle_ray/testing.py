@@ -20,7 +20,7 @@ from eagle_ray.backends.base import (
     SelfCheckError,
     TargetRunner,
 )
-from eagle_ray.target_head import TargetHead
+from eagle_ray.contract.target_head import TargetHead
 
 
 def random_micro_batch(vocab_size: int, lengths: tuple[int, ...] = (17, 9, 30, 4), seed: int = 0):

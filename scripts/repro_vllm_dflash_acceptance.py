@@ -23,7 +23,7 @@ import torch
 
 
 def acceptance(outputs, k: int) -> float:
-    from eagle_ray.acceptance import AcceptanceTally
+    from eagle_ray.evaluation.acceptance import AcceptanceTally
 
     tally = AcceptanceTally.empty(k)
     for output in outputs:
@@ -39,13 +39,13 @@ def main(k: int = 3) -> None:
     from eagle_ray.backends.hf import HFEagle3TargetModel
     from eagle_ray.backends.vllm.runner import CPU_DEFAULTS, build_llm
     from eagle_ray.bench import drafts
-    from eagle_ray.chat import prompt_for_turn, stop_token_ids
-    from eagle_ray.evaluate import greedy_generate
-    from eagle_ray.identity import TargetIdentity
-    from eagle_ray.serving import DraftServing
-    from eagle_ray.simulate import simulate_acceptance
+    from eagle_ray.contract.identity import TargetIdentity
+    from eagle_ray.data.chat import prompt_for_turn, stop_token_ids
+    from eagle_ray.data.tokenizer_files import load_tokenizer
+    from eagle_ray.draft.serving import DraftServing
+    from eagle_ray.evaluation.evaluate import greedy_generate
+    from eagle_ray.evaluation.simulate import simulate_acceptance
     from eagle_ray.tiny import generate_chat_samples, tiny_target
-    from eagle_ray.tokenizer_files import load_tokenizer
 
     path = str(tiny_target("llama", pretrained=True))
     _, tokenizer = load_tokenizer(path, {}, "the reproduction")

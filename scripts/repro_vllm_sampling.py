@@ -155,7 +155,7 @@ def main() -> None:
         parser.error("--engine needs --draft")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle_ray.chat import prompt_for_turn, stop_token_ids
+    from eagle_ray.data.chat import prompt_for_turn, stop_token_ids
     from eagle_ray.tiny import generate_chat_samples, tiny_target
 
     target = args.target or str(tiny_target("llama", pretrained=True))

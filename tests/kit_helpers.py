@@ -5,8 +5,9 @@ import torch
 from transformers import AutoTokenizer
 
 from eagle_ray.backends.hf import HFEagle3TargetModel
-from eagle_ray.data import answer_token_counts, tokenize_chats
-from eagle_ray.supervision import DraftVocab
+from eagle_ray.contract.supervision import DraftVocab
+from eagle_ray.data.draft_vocab import answer_token_counts
+from eagle_ray.data.tokenize import tokenize_chats
 from eagle_ray.tiny import generate_chat_samples, tiny_target
 
 
@@ -43,7 +44,7 @@ def perturbed_kind_draft(target, kind: str, num_layers: int, mask_token_id: int 
 def train_draft_on_random_rows(target, draft, vocab, depth: int, steps: int = 30) -> list[float]:
     """`steps` AdamW steps of the draft's own objective over one random micro-batch of
     `target`'s supervision; the losses."""
-    from eagle_ray.supervision import draft_target
+    from eagle_ray.contract.supervision import draft_target
     from eagle_ray.testing import random_micro_batch
 
     batch = target.generate_batch(*random_micro_batch(target.vocab_size, (24, 17, 30)))

@@ -8,11 +8,11 @@ import math
 import pytest
 import ray
 
-from eagle_ray.acceptance import AcceptanceTally, answer_turn_by_turn, summarise
 from eagle_ray.config import ConfigError, EvalConfig, JobConfig, from_dict
-from eagle_ray.eval_prompts import EvalPrompt, read_eval_prompts
-from eagle_ray.evaluate import check_eval_settings
-from eagle_ray.train import run_job
+from eagle_ray.evaluation.acceptance import AcceptanceTally, answer_turn_by_turn, summarise
+from eagle_ray.evaluation.evaluate import check_eval_settings
+from eagle_ray.evaluation.prompts import EvalPrompt, read_eval_prompts
+from eagle_ray.train.job import run_job
 
 
 def tally(*histogram: int) -> AcceptanceTally:

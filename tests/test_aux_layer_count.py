@@ -8,8 +8,8 @@ import torch
 
 from eagle_ray.backends.base import validate_aux_layer_ids, validate_eagle3_aux_layer_ids
 from eagle_ray.backends.hf import HFEagle3TargetModel
+from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.pool.transport import batch_from_numpy, batch_to_numpy
-from eagle_ray.target_batch import Eagle3TargetBatch
 from eagle_ray.testing import random_micro_batch
 
 LAYER_SETS = ([3], [1, 3, 4], [0, 1, 3, 4, 5])

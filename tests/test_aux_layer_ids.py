@@ -56,7 +56,7 @@ def test_vllm_rejects_the_last_layer_which_collides_with_the_final_state():
 def test_ids_are_checked_once_per_target_and_again_for_another(monkeypatch):
     """Validate once per hop: checked ids pass through the backend's later steps (vLLM's
     capture ids, the base class) unchecked; the same ids for another target are checked again."""
-    from eagle_ray import aux_layers
+    from eagle_ray.contract import aux_layers
 
     checked = validate_eagle3_aux_layer_ids([1, 3, 4], 8)
     assert checked == [1, 3, 4] and validate_eagle3_aux_layer_ids(checked, 8) is checked
@@ -91,7 +91,7 @@ def test_validated_ids_cannot_change_after_the_check_and_survive_pickling():
     import copy
     import pickle
 
-    from eagle_ray.aux_layers import AuxLayerIds, validate_aux_layer_ids
+    from eagle_ray.contract.aux_layers import AuxLayerIds, validate_aux_layer_ids
 
     ids = validate_aux_layer_ids([1, 3, 5], 8)
     for mutate in (lambda: ids.append(9), lambda: ids.__setitem__(0, 9), lambda: ids.sort(),

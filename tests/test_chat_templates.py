@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from eagle_ray.chat import (
+from eagle_ray.data.chat import (
     ChatFormatError,
     assistant_spans,
     conversation_messages,
@@ -15,7 +15,7 @@ from eagle_ray.chat import (
     tokenize_conversation,
 )
 
-# Per family, independently of eagle_ray.chat: what the model emits in an assistant turn, as a
+# Per family, independently of eagle_ray.data.chat: what the model emits in an assistant turn, as a
 # regex over the rendered text (group 1 = body + end-of-turn token).
 ASSISTANT_TURN = {
     "llama3.1": r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\n(.*?<\|eot_id\|>)",

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eagle_ray.checkpoint import load_embedding_and_head
+from eagle_ray.contract.checkpoint import load_embedding_and_head
 from eagle_ray.tiny import tiny_target_config
 
 

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from eagle_ray.report import format_summary
-from eagle_ray.serving import DraftServing
+from eagle_ray.draft.serving import DraftServing
+from eagle_ray.train.report import format_summary
 
 # Each line comes from a different route a library takes to the console.
 SCRIPT = textwrap.dedent("""
@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     from eagle_ray.console import native_output_to_log, setup_console
 
     setup_console(sys.argv[1], verbose=sys.argv[2] == "1")
-    logging.getLogger("eagle_ray.train").info("STAGE pool ready")
+    logging.getLogger("eagle_ray.train.job").info("STAGE pool ready")
     logging.getLogger("ray.data").info("NOISE ray data execution plan")
     import vllm  # configures its loggers from VLLM_LOGGING_CONFIG_PATH
     logging.getLogger("vllm.engine").info("NOISE vllm engine started")
@@ -106,7 +106,7 @@ def test_the_summary_table_carries_the_summarys_figures():
 
 
 def test_the_exact_expectation_stands_beside_vllm_and_the_simulation():
-    from eagle_ray.report import acceptance_lines
+    from eagle_ray.train.report import acceptance_lines
 
     per_position = {"acceptance_per_position_trained": [0.9, 0.8, 0.7],
                     "acceptance_per_position_untrained": [0.0, 0.0, 0.0]}
@@ -136,7 +136,7 @@ def test_report_png_has_no_empty_panel_without_an_evaluation(tmp_path):
     row alone (no blank panels)."""
     from PIL import Image
 
-    from eagle_ray.report import REPORT_SIZE_PX, TRAINING_ONLY_SIZE_PX, write_report_png
+    from eagle_ray.train.report import REPORT_SIZE_PX, TRAINING_ONLY_SIZE_PX, write_report_png
 
     metrics = [{"step": s, "loss_0": 3.0 / s, "acc_0": 0.1 * s, "supervision_tokens_per_s": 900.0,
                 "pool_wait_share": 0.1, "data_wait_share": 0.0} for s in (1, 2, 3)]

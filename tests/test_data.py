@@ -7,15 +7,11 @@ import random
 import pytest
 import torch
 
-from eagle_ray.chat import tokenize_conversation
 from eagle_ray.config import ConfigError
-from eagle_ray.data import (
-    answer_token_counts,
-    load_or_build_draft_vocab,
-    make_micro_batches,
-    token_budget_micro_batches,
-    tokenize_chats,
-)
+from eagle_ray.data.chat import tokenize_conversation
+from eagle_ray.data.draft_vocab import answer_token_counts, load_or_build_draft_vocab
+from eagle_ray.data.micro_batches import make_micro_batches, token_budget_micro_batches
+from eagle_ray.data.tokenize import tokenize_chats
 
 LONG = [{"role": "user", "content": "Describe a red apple in one sentence."},
         {"role": "assistant", "content": " ".join(["The red apple stands out."] * 20)}]
@@ -141,7 +137,7 @@ def test_length_bucketing_pads_less_than_fixed_rows():
 
 
 def test_a_sharegpt_json_array_reads_as_its_jsonl_lines(tmp_path):
-    from eagle_ray.chat import read_conversations
+    from eagle_ray.data.chat import read_conversations
 
     samples = [{"conversations": [{"from": "human", "value": f"q{i}"},
                                   {"from": "gpt", "value": f"a{i}"}]} for i in range(3)]
@@ -156,7 +152,7 @@ def test_a_sharegpt_json_array_reads_as_its_jsonl_lines(tmp_path):
 def test_epochs_become_the_micro_batches_a_worker_packs_per_pass():
     """`train.epochs` -> steps: the rows' lengths packed as `token_budget_micro_batches` packs
     them, per worker; checked against packing the rows themselves."""
-    from eagle_ray.data import micro_batches_per_epoch
+    from eagle_ray.data.micro_batches import micro_batches_per_epoch
 
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(5, 200, (301,), generator=generator).tolist()

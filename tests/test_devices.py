@@ -14,10 +14,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import eagle_ray.backends.base as target_runner
 from eagle_ray.backends.base import RunnerEagle3TargetModel, RunnerOutput, TargetRunner
+from eagle_ray.contract.fp8 import encode_batch
+from eagle_ray.contract.supervision import DraftVocab
+from eagle_ray.contract.target_head import TargetHead
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, shift_left
-from eagle_ray.fp8 import encode_batch
-from eagle_ray.supervision import DraftVocab
-from eagle_ray.target_head import TargetHead
 
 HIDDEN, VOCAB, LAYERS = 64, 96, 8
 DRAFT_VOCAB = DraftVocab(torch.arange(0, VOCAB, 3), VOCAB)  # built from real tensors

@@ -9,11 +9,11 @@ import pytest
 import torch
 from kit_helpers import counting_forwards, perturbed_kind_draft, train_draft_on_random_rows
 
+from eagle_ray.contract.identity import TargetIdentity
+from eagle_ray.contract.supervision import draft_target
 from eagle_ray.draft.dflash import DFlashDraft, default_decay_gamma, sample_anchors
 from eagle_ray.draft.export import export_draft, load_exported_draft, validate_export
 from eagle_ray.draft.model import rotate
-from eagle_ray.identity import TargetIdentity
-from eagle_ray.supervision import draft_target
 from eagle_ray.testing import random_micro_batch
 
 MASK = 0  # the kit's pad token: no text uses it

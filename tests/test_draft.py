@@ -5,6 +5,8 @@ import json
 import pytest
 import torch
 
+from eagle_ray.contract.identity import TargetIdentity
+from eagle_ray.contract.supervision import DraftVocab, draft_target
 from eagle_ray.draft.export import (
     export_draft,
     exported_target,
@@ -19,10 +21,8 @@ from eagle_ray.draft.model import (
     ttt_attention,
     ttt_loss,
 )
-from eagle_ray.identity import TargetIdentity
-from eagle_ray.memory import TensorMemoryProbe
-from eagle_ray.supervision import DraftVocab, draft_target
 from eagle_ray.testing import random_micro_batch
+from eagle_ray.train.memory import TensorMemoryProbe
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from eagle_ray.backends.hf import HFEagle3TargetModel
-from eagle_ray.supervision import DraftVocab, draft_target, soft_cross_entropy
+from eagle_ray.contract.supervision import DraftVocab, draft_target, soft_cross_entropy
 from eagle_ray.testing import random_micro_batch
 
 

@@ -4,11 +4,11 @@ draft learns from it as from bf16."""
 import pytest
 import torch
 
+from eagle_ray.contract.fp8 import ROUND_TRIP_BOUND, dequantize_fp8, quantize_fp8
+from eagle_ray.contract.supervision import DraftVocab, draft_target
+from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
-from eagle_ray.fp8 import ROUND_TRIP_BOUND, dequantize_fp8, quantize_fp8
 from eagle_ray.pool.transport import batch_from_numpy, batch_to_numpy
-from eagle_ray.supervision import DraftVocab, draft_target
-from eagle_ray.target_batch import Eagle3TargetBatch
 from eagle_ray.testing import random_micro_batch
 
 

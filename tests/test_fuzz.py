@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eagle_ray.config import ConfigError, JobConfig, from_dict
-from eagle_ray.target_batch import validate_micro_batch
+from eagle_ray.contract.target_batch import validate_micro_batch
 from eagle_ray.testing import random_micro_batch
 
 from fuzz_inputs import EXPECTED, Hostile, hostile_micro_batches, mutate

@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from eagle_ray.config import ConfigError, PoolConfig
-from eagle_ray.identity import TargetIdentity, check_job_target, checkpoint_fingerprint
+from eagle_ray.contract.identity import TargetIdentity, check_job_target, checkpoint_fingerprint
 from eagle_ray.tiny import build_tiny_target
 
 

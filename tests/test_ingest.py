@@ -11,9 +11,9 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
-from eagle_ray.chat import conversation_key
-from eagle_ray.data import answer_token_counts, tokenize_chats
-from eagle_ray.ingest import (
+from eagle_ray.data.chat import conversation_key
+from eagle_ray.data.draft_vocab import answer_token_counts
+from eagle_ray.data.ingest import (
     TokenizeChats,
     count_answers,
     held_out,
@@ -22,6 +22,7 @@ from eagle_ray.ingest import (
     tokenized_in_driver,
     training_rows,
 )
+from eagle_ray.data.tokenize import tokenize_chats
 from eagle_ray.tiny import generate_chat_samples
 
 from pool_helpers import running_ray

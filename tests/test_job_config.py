@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from eagle_ray.config import ConfigError, JobConfig, apply_overrides, from_dict, load_yaml, to_dict
+from eagle_ray.driver import check_paths
 from eagle_ray.resources import Capacity, job_demands, never_fit
-from eagle_ray.train import check_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -137,7 +137,7 @@ def test_the_colocated_plan_puts_replicas_and_their_trainers_on_every_node():
 
 def test_a_resume_may_change_how_a_run_runs_but_not_what_its_draft_learns():
     """`run_record.settings_changed`: what a rerun under the same run_name would be refused for."""
-    from eagle_ray.run_record import draft_settings, settings_changed
+    from eagle_ray.train.run_record import draft_settings, settings_changed
 
     example = ROOT / "examples" / "tiny.yaml"
     record = {"draft_settings": draft_settings(load_yaml(JobConfig, example))}
@@ -198,7 +198,7 @@ def test_epochs_replace_steps_and_a_regeneration_may_be_as_long_as_a_row():
 
 
 def test_steps_from_epochs_are_the_packed_micro_batches_times_the_epochs():
-    from eagle_ray.train import with_steps_from_epochs
+    from eagle_ray.train.job import with_steps_from_epochs
 
     config = from_dict(JobConfig, {"train": {"epochs": 2.5}})
     resolved = with_steps_from_epochs(config, micro_batches_per_epoch=41.2)

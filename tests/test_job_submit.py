@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle_ray.contract.identity import checkpoint_fingerprint
 from eagle_ray.draft.export import exported_target
-from eagle_ray.identity import checkpoint_fingerprint
 from eagle_ray.tiny import cache_root, tiny_target
 
 from ray_heads import BIN, agent_port_args, free_port, short_temp_dir, stop_head

@@ -12,8 +12,8 @@ import torch
 from eagle_ray.backends.base import Sampling
 from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
+from eagle_ray.data.tokenizer_files import has_tokenizer_files
 from eagle_ray.testing import random_micro_batch
-from eagle_ray.tokenizer_files import has_tokenizer_files
 
 from reference_checks import FP32_ATOL, assert_matches_reference
 

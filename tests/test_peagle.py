@@ -9,10 +9,10 @@ import pytest
 import torch
 from kit_helpers import counting_forwards, perturbed_kind_draft, train_draft_on_random_rows
 
+from eagle_ray.contract.identity import TargetIdentity
 from eagle_ray.draft.export import export_draft, load_exported_draft, validate_export
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, rotate
 from eagle_ray.draft.peagle import PEagleDraft, resolve_mask_token_id
-from eagle_ray.identity import TargetIdentity
 from eagle_ray.testing import random_micro_batch
 
 MASK = 0  # the kit's pad token: no text uses it

@@ -8,9 +8,10 @@ from transformers import AutoConfig
 
 from eagle_ray.cli import main
 from eagle_ray.config import JobConfig, load_yaml
+from eagle_ray.contract.supervision import DraftVocab, draft_target
+from eagle_ray.contract.target_head import TargetHead
 from eagle_ray.draft.kinds import build_draft
 from eagle_ray.draft.model import DraftConfig
-from eagle_ray.memory import TensorMemoryProbe
 from eagle_ray.plan import (
     GIB,
     TRAINER_SHARE,
@@ -22,9 +23,8 @@ from eagle_ray.plan import (
     plan_job,
     trainer_memory,
 )
-from eagle_ray.supervision import DraftVocab, draft_target
-from eagle_ray.target_head import TargetHead
 from eagle_ray.testing import random_micro_batch
+from eagle_ray.train.memory import TensorMemoryProbe
 
 RECIPES = {"llama3.1-8b": "llama-3.1-8b-instruct", "qwen3-8b": "qwen3-8b",
            "llama3.1-8b-smoke": "llama-3.1-8b-instruct",
@@ -49,7 +49,7 @@ def test_the_fake_step_peak_is_the_real_steps_peak_on_the_cpu(precision, kind, l
     head.requires_grad_(False)
     vocab = DraftVocab(torch.arange(256), 512)
     ids, attention, loss_mask = random_micro_batch(512, (seq,) * rows)
-    from eagle_ray.target_batch import Eagle3TargetBatch
+    from eagle_ray.contract.target_batch import Eagle3TargetBatch
 
     with TensorMemoryProbe() as probe:
         batch = Eagle3TargetBatch(aux_hidden_states=torch.randn(rows, seq, 3 * 128),
@@ -72,8 +72,8 @@ def test_every_shipped_gpu_recipe_fits_an_80_gib_gpu(recipe):
     assert plan.trainer["total"] <= TRAINER_SHARE * 80 * GIB, plan.trainer
     check_job_fits(job, plan)
     assert plan.replica["total"] <= 80 * GIB
-    # The job's own engines: sized for its rows and regenerated answers (engine_sizing).
-    from eagle_ray.engine_sizing import sized_pool_config
+    # The job's own engines: sized for its rows and regenerated answers (backends/vllm/sizing.py).
+    from eagle_ray.backends.vllm.sizing import sized_pool_config
 
     assert plan.kv_cache_tokens >= sized_pool_config(job).vllm_kwargs["max_model_len"] \
         > job.data.max_length
@@ -174,7 +174,7 @@ def test_a_replica_too_big_for_its_gpu_is_refused():
 def test_the_train_time_gate_stops_a_job_that_does_not_fit(tmp_path):
     """`run_job` refuses before Ray or a pool starts; every worker checks its own GPU again."""
     from eagle_ray.tiny import tiny_target
-    from eagle_ray.train import check_job_memory, run_job
+    from eagle_ray.train.job import check_job_memory, run_job
 
     overrides = [f"target.model_path={LLAMA_8B}", f"output_dir={tmp_path}",
                  f"target.vllm_kwargs.tokenizer={tiny_target('llama')}"]

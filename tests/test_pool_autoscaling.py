@@ -201,7 +201,7 @@ def test_a_training_workers_series_reach_prometheus_by_run_and_rank(local_ray):
 
 @ray.remote(num_cpus=0)
 class TrainerMetricsWorker:
-    """A training worker's telemetry, as `train_loop` reports it."""
+    """A training worker's telemetry, as `eagle_ray.train.loop` reports it."""
 
     def __init__(self, rank: int) -> None:
         from eagle_ray.pool.telemetry import TrainerMetrics

@@ -16,10 +16,10 @@ import ray
 import torch
 
 from eagle_ray.backends.base import SelfCheckError
-from eagle_ray.fp8 import ROUND_TRIP_BOUND
+from eagle_ray.contract.fp8 import ROUND_TRIP_BOUND
+from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.pool import ClientConfig, MicroBatchFailed, PoolClient, TargetPool
 from eagle_ray.pool.transport import batch_from_numpy, batch_to_numpy
-from eagle_ray.target_batch import Eagle3TargetBatch
 from eagle_ray.testing import synthetic_aux_states
 
 from pool_helpers import (

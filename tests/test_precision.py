@@ -7,14 +7,15 @@ from kit_helpers import kit_rows
 from transformers import AutoTokenizer
 
 from eagle_ray.backends.hf import HFEagle3TargetModel
-from eagle_ray.chat import prompt_for_turn, stop_token_ids
-from eagle_ray.data import make_micro_batches, tokenize_chats
+from eagle_ray.contract.supervision import DraftVocab
+from eagle_ray.data.chat import prompt_for_turn, stop_token_ids
+from eagle_ray.data.micro_batches import make_micro_batches
+from eagle_ray.data.tokenize import tokenize_chats
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft
-from eagle_ray.evaluate import greedy_generate
-from eagle_ray.simulate import simulate_acceptance
-from eagle_ray.supervision import DraftVocab
+from eagle_ray.evaluation.evaluate import greedy_generate
+from eagle_ray.evaluation.simulate import simulate_acceptance
 from eagle_ray.tiny import generate_chat_samples, tiny_target
-from eagle_ray.train_device import DevicePrefetcher, autocast_dtype
+from eagle_ray.train.device import DevicePrefetcher, autocast_dtype
 
 
 def test_precision_rules_on_the_cpu():
@@ -77,11 +78,11 @@ def kit_supervision():
 
 
 def _learn(target, vocab, supervision, precision: str):
-    """The training loop's own learner (`train_loop.DraftLearner`, as a Ray Train worker runs
-    it, without DDP) over `supervision`: (the learner, its losses, the dtypes `fc` computed
-    in)."""
+    """The training loop's own learner (`eagle_ray.train.loop.DraftLearner`, as a Ray Train
+    worker runs it, without DDP) over `supervision`: (the learner, its losses, the dtypes `fc`
+    computed in)."""
     from eagle_ray.config import TrainConfig
-    from eagle_ray.train_loop import DraftLearner
+    from eagle_ray.train.loop import DraftLearner
 
     torch.manual_seed(0)
     draft = Eagle3Draft(DraftConfig.from_target(target.model.config, vocab.size),

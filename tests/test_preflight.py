@@ -66,7 +66,7 @@ def test_a_node_with_other_pins_or_without_the_package_installed_is_named():
 
 def test_data_the_driver_does_not_see_is_checked_on_the_nodes_that_read_it(two_nodes, tmp_path):
     from eagle_ray.config import ConfigError
-    from eagle_ray.train import check_data_on_the_cluster
+    from eagle_ray.driver import check_data_on_the_cluster
 
     seen = tmp_path / "chats.jsonl"
     seen.write_text("")

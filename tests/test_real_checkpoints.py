@@ -14,18 +14,18 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from eagle_ray.acceptance import vllm_acceptance_table
 from eagle_ray.backends.hf import HFEagle3TargetModel
-from eagle_ray.chat import read_conversations, stop_token_ids
 from eagle_ray.config import ConfigError, JobConfig, PoolConfig, load_yaml
+from eagle_ray.contract.identity import checkpoint_fingerprint
+from eagle_ray.data.chat import read_conversations, stop_token_ids
 from eagle_ray.draft.export import exported_target
-from eagle_ray.eval_prompts import EvalPrompt
-from eagle_ray.evaluate import GreedyAnswers
-from eagle_ray.identity import checkpoint_fingerprint
+from eagle_ray.draft.serving import DraftServing
+from eagle_ray.evaluation.acceptance import vllm_acceptance_table
+from eagle_ray.evaluation.evaluate import GreedyAnswers
+from eagle_ray.evaluation.prompts import EvalPrompt
 from eagle_ray.pool import TargetPool
-from eagle_ray.serving import DraftServing
 from eagle_ray.tiny import generate_chat_samples
-from eagle_ray.train import run_job
+from eagle_ray.train.job import run_job
 
 from pool_helpers import running_ray
 

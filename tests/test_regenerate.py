@@ -1,4 +1,4 @@
-"""`eagle_ray.regenerate`: answers come from the target (its own greedy answers, turn by turn),
+"""`eagle_ray.data.regenerate`: answers come from the target (its own greedy answers, turn by turn),
 the dataset keeps its shape, a killed replica loses and duplicates nothing, an interrupted run
 resumes without redoing what it finished. Also: the pre-trained tiny target answers like its
 corpus."""
@@ -14,9 +14,9 @@ from transformers import AutoTokenizer
 
 from eagle_ray.backends.base import Sampling
 from eagle_ray.backends.hf import HFEagle3TargetModel
-from eagle_ray.chat import conversation_messages, prompt_for_turn, stop_token_ids
+from eagle_ray.data.chat import conversation_messages, prompt_for_turn, stop_token_ids
+from eagle_ray.data.regenerate import META_KEY, regenerate_file
 from eagle_ray.pool import ClientConfig, PoolConfig, TargetPool
-from eagle_ray.regenerate import META_KEY, regenerate_file
 from eagle_ray.testing import synthetic_answer
 from eagle_ray.tiny import generate_chat_samples, tiny_target
 
@@ -189,7 +189,7 @@ def test_the_pretrained_tiny_target_answers_held_out_prompts_like_its_corpus(pre
     """Its greedy answers use the corpus's phrasings and get the facts right, and it is unsure
     of the phrasing: its mean top probability along them is inside the band the kit promises
     (docs/training.md), so sampling at temperature 1 differs from greedy."""
-    from eagle_ray.simulate import target_top_probability
+    from eagle_ray.evaluation.simulate import target_top_probability
 
     tokenizer = AutoTokenizer.from_pretrained(pretrained)
     target = HFEagle3TargetModel.from_pretrained(pretrained, dtype=torch.float32)

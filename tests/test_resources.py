@@ -13,7 +13,7 @@ from eagle_ray.resources import (
     job_demands,
     never_fit,
 )
-from eagle_ray.train import run_job
+from eagle_ray.train.job import run_job
 
 from pool_helpers import running_ray
 

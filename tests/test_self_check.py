@@ -19,7 +19,7 @@ from eagle_ray.backends.base import (
     refused_rows,
 )
 from eagle_ray.backends.hf import HFEagle3TargetModel
-from eagle_ray.target_head import TargetHead
+from eagle_ray.contract.target_head import TargetHead
 from eagle_ray.testing import random_micro_batch
 from eagle_ray.tiny import tiny_target
 

@@ -33,7 +33,7 @@ def test_rows_as_an_engine_captured_them_shift_exactly_as_padded_states(dtype):
     """vLLM hands each request's states back on their own (`[n, 3 + 1, H]`: the aux layers,
     then the final state); shifting them straight into the batch gives, bit for bit, what the
     padded states give, on every slot (garbage at the padded states' pad positions included)."""
-    from eagle_ray.shift import shift_captured_rows
+    from eagle_ray.contract.shift import shift_captured_rows
     from eagle_ray.testing import random_micro_batch
 
     ids, attention_mask, loss_mask = random_micro_batch(100, (7, 1, 12, 3), seed=2)

@@ -1,4 +1,4 @@
-"""The sampled simulation's exact expectation (`eagle_ray.simulate`): per verify step
+"""The sampled simulation's exact expectation (`eagle_ray.evaluation.simulate`): per verify step
 E[accepted | context] and Var[accepted | context] from the target's acceptance probabilities of
 the drafted tokens, and the sampler, which shares those probabilities, agrees with them."""
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 from kit_helpers import kit_rows
 
-from eagle_ray import simulate
-from eagle_ray.chat import prompt_for_turn, stop_token_ids
-from eagle_ray.data import make_micro_batches
+from eagle_ray.data.chat import prompt_for_turn, stop_token_ids
+from eagle_ray.data.micro_batches import make_micro_batches
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft
-from eagle_ray.evaluate import greedy_generate
-from eagle_ray.simulate import VerifyStep, simulate_acceptance, simulate_sampled
+from eagle_ray.evaluation import simulate
+from eagle_ray.evaluation.evaluate import greedy_generate
+from eagle_ray.evaluation.simulate import VerifyStep, simulate_acceptance, simulate_sampled
 from eagle_ray.tiny import generate_chat_samples
 
 Z = 4.0  # |realised - sum of E[accepted | context]| <= Z * sqrt(sum of Var[accepted | context])
@@ -67,7 +67,7 @@ def tiny_pair():
     """The pre-trained tiny Llama (fp32), a draft trained on it for 30 steps (the training
     loop's learner), its vocabulary, 48 held-out prompts and the stop tokens."""
     from eagle_ray.config import TrainConfig
-    from eagle_ray.train_loop import DraftLearner
+    from eagle_ray.train.loop import DraftLearner
 
     target, tokenizer, rows, vocab = kit_rows(48, seed=5)
     supervision = [target.generate_batch(*mb) for mb in make_micro_batches(rows, 8)] * 5

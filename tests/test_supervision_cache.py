@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from eagle_ray.config import ConfigError, PoolConfig
-from eagle_ray.fp8 import ROUND_TRIP_BOUND
-from eagle_ray.identity import TargetIdentity
-from eagle_ray.supervision import DraftVocab
-from eagle_ray.supervision_cache import SupervisionCache, SupervisionCacheWriter
+from eagle_ray.contract.fp8 import ROUND_TRIP_BOUND
+from eagle_ray.contract.identity import TargetIdentity
+from eagle_ray.contract.supervision import DraftVocab
+from eagle_ray.data.supervision_cache import SupervisionCache, SupervisionCacheWriter
 from eagle_ray.testing import random_micro_batch
 
 

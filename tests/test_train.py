@@ -2,8 +2,8 @@
 
 One training run (module fixture) backs the assertions; a second run resumes from its checkpoint.
 The target is the kit's pre-trained tiny Llama with Llama-3.1's context length (131,072
-positions), and the job sets no vLLM option: the job sizes its engines (`engine_sizing`), which
-sized from the checkpoint would not fit the CPU's KV budget.
+positions), and the job sets no vLLM option: the job sizes its engines
+(`backends/vllm/sizing.py`), which sized from the checkpoint would not fit the CPU's KV budget.
 """
 
 import contextlib
@@ -21,9 +21,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from eagle_ray.config import JobConfig, load_yaml
-from eagle_ray.report import REPORT_SIZE_PX, TRAINING_ONLY_SIZE_PX, vllm_agrees
 from eagle_ray.tiny import tiny_target
-from eagle_ray.train import run_job
+from eagle_ray.train.job import run_job
+from eagle_ray.train.report import REPORT_SIZE_PX, TRAINING_ONLY_SIZE_PX, vllm_agrees
 
 from pool_helpers import running_ray
 
@@ -253,7 +253,7 @@ def test_the_printed_serve_command_serves_what_the_evaluation_served(trained):
     """The command is the one the evaluation's engine was built from (`DraftServing`: target,
     dtype, tensor-parallel size, speculative config), where vLLM loaded and ran the draft as an
     EAGLE-3 draft."""
-    from eagle_ray.serving import DraftServing
+    from eagle_ray.draft.serving import DraftServing
 
     _, summary, _ = trained
     served_with = DraftServing(**summary["eval"]["served_with"])
@@ -324,10 +324,10 @@ def test_sampling_near_temperature_zero_simulates_the_greedy_acceptance(trained)
     import torch
 
     from eagle_ray.backends.hf import HFEagle3TargetModel
-    from eagle_ray.chat import prompt_for_turn, stop_token_ids
+    from eagle_ray.data.chat import prompt_for_turn, stop_token_ids
     from eagle_ray.draft.export import exported_target, load_exported_draft
-    from eagle_ray.evaluate import greedy_generate
-    from eagle_ray.simulate import simulate_acceptance, simulate_sampled_acceptance
+    from eagle_ray.evaluation.evaluate import greedy_generate
+    from eagle_ray.evaluation.simulate import simulate_acceptance, simulate_sampled_acceptance
     from eagle_ray.tiny import generate_chat_samples
 
     _, summary, _ = trained
@@ -381,10 +381,10 @@ def test_a_supervision_cache_trains_without_a_pool_and_refuses_another_target(
     a job meant for another target refuses the cache."""
     import torch
 
-    from eagle_ray import train
-    from eagle_ray.cache_job import run_cache
     from eagle_ray.config import ConfigError
-    from eagle_ray.supervision_cache import SupervisionCache
+    from eagle_ray.data.cache_job import run_cache
+    from eagle_ray.data.supervision_cache import SupervisionCache
+    from eagle_ray.train import job as train
 
     cached = ["data.num_samples=60", "regenerate.enabled=false", "eval.enabled=false",
               "target.backend=hf",

@@ -19,7 +19,7 @@ import pytest
 
 from eagle_ray.config import JobConfig, load_yaml
 from eagle_ray.tiny import tiny_target
-from eagle_ray.train import run_job
+from eagle_ray.train.job import run_job
 
 from pool_helpers import running_ray, wait_until
 

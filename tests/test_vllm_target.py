@@ -17,7 +17,7 @@ from eagle_ray.backends.base import RunnerEagle3TargetModel, SelfCheckError
 from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.backends.vllm.handoff import SHM_DIR, InProcessHandoff, ShmRingHandoff, ring_name
 from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
-from eagle_ray.target_head import TargetHead
+from eagle_ray.contract.target_head import TargetHead
 from eagle_ray.testing import random_micro_batch
 
 from reference_checks import assert_matches_reference

@@ -26,17 +26,16 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from eagle_ray.aux_layers import (
+from eagle_ray.contract.aux_layers import (
     default_eagle3_aux_layer_ids,
     resolve_eagle3_aux_layer_ids,
     validate_aux_layer_ids,
     validate_eagle3_aux_layer_ids,
     vllm_capture_layer_ids,
 )
-from eagle_ray.devices import HostBuffers, hand_over, to_device
-from eagle_ray.shift import next_position_mask, shift_captured_rows, shift_supervision
-from eagle_ray.supervision import DraftVocab, draft_target_from_hidden, head_logits
-from eagle_ray.target_batch import (
+from eagle_ray.contract.shift import next_position_mask, shift_captured_rows, shift_supervision
+from eagle_ray.contract.supervision import DraftVocab, draft_target_from_hidden, head_logits
+from eagle_ray.contract.target_batch import (
     ENCODINGS,
     NUM_AUX_LAYERS,
     Eagle3TargetBatch,
@@ -44,7 +43,8 @@ from eagle_ray.target_batch import (
     validate_micro_batch,
     validate_prompts,
 )
-from eagle_ray.target_head import TargetHead
+from eagle_ray.contract.target_head import TargetHead
+from eagle_ray.devices import HostBuffers, hand_over, to_device
 
 __all__ = [
     "ENCODINGS", "NUM_AUX_LAYERS", "Eagle3TargetBatch", "EngineOutput", "Encoding",
@@ -112,7 +112,7 @@ class RunnerOutput:
 
     def shifted(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 loss_mask: torch.Tensor, buffers: HostBuffers) -> dict[str, torch.Tensor]:
-        """The shifted supervision fields, `last_hidden` included (`eagle_ray.shift`); rows
+        """The shifted supervision fields, `last_hidden` included (`eagle_ray.contract.shift`); rows
         are shifted into `buffers`."""
         if self.rows is not None:
             return shift_captured_rows(input_ids, attention_mask, loss_mask, self.rows,

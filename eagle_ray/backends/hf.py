@@ -14,16 +14,16 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from eagle_ray.aux_layers import resolve_aux_layer_ids
 from eagle_ray.backends.base import (
     RunnerEagle3TargetModel,
     RunnerOutput,
     Sampling,
     TargetRunner,
 )
-from eagle_ray.supervision import DraftVocab
-from eagle_ray.target_batch import Encoding
-from eagle_ray.target_head import TargetHead
+from eagle_ray.contract.aux_layers import resolve_aux_layer_ids
+from eagle_ray.contract.supervision import DraftVocab
+from eagle_ray.contract.target_batch import Encoding
+from eagle_ray.contract.target_head import TargetHead
 
 logger = logging.getLogger(__name__)
 

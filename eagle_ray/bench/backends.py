@@ -6,7 +6,7 @@ import logging
 
 from eagle_ray.backends.base import RunnerEagle3TargetModel
 from eagle_ray.bench import best_seconds, emit
-from eagle_ray.target_batch import ENCODINGS
+from eagle_ray.contract.target_batch import ENCODINGS
 from eagle_ray.testing import random_micro_batch
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def run(model_path: str) -> None:
 
     from eagle_ray.backends.hf import HFEagle3TargetModel
     from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
-    from eagle_ray.supervision import DraftVocab
+    from eagle_ray.contract.supervision import DraftVocab
 
     hf = HFEagle3TargetModel.from_pretrained(model_path, dtype=torch.float32)
     half_vocab = DraftVocab.from_token_counts(torch.ones(hf.vocab_size), hf.vocab_size // 2)

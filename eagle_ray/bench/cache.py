@@ -14,11 +14,11 @@ from pathlib import Path
 import ray
 
 from eagle_ray.bench import NAMESPACE, emit
-from eagle_ray.fp8 import ENCODING_DTYPES
-from eagle_ray.identity import TargetIdentity
+from eagle_ray.contract.fp8 import ENCODING_DTYPES
+from eagle_ray.contract.identity import TargetIdentity
+from eagle_ray.contract.supervision import DraftVocab
+from eagle_ray.data.supervision_cache import SupervisionCache, SupervisionCacheWriter
 from eagle_ray.pool import ClientConfig, PoolConfig, TargetPool
-from eagle_ray.supervision import DraftVocab
-from eagle_ray.supervision_cache import SupervisionCache, SupervisionCacheWriter
 from eagle_ray.testing import random_micro_batch
 
 

@@ -37,12 +37,12 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
         kinds: tuple[str, ...] = KINDS) -> None:
     """`kinds`: EAGLE-3 (the baseline) and the others compared with it."""
     from eagle_ray.backends.hf import HFEagle3TargetModel
-    from eagle_ray.chat import prompt_for_turn, stop_token_ids
-    from eagle_ray.evaluate import greedy_generate
-    from eagle_ray.identity import TargetIdentity
-    from eagle_ray.simulate import draft_seconds_per_verify_step
+    from eagle_ray.contract.identity import TargetIdentity
+    from eagle_ray.data.chat import prompt_for_turn, stop_token_ids
+    from eagle_ray.data.tokenizer_files import load_tokenizer
+    from eagle_ray.evaluation.evaluate import greedy_generate
+    from eagle_ray.evaluation.simulate import draft_seconds_per_verify_step
     from eagle_ray.tiny import generate_chat_samples
-    from eagle_ray.tokenizer_files import load_tokenizer
 
     _, tokenizer = load_tokenizer(model_path, {}, "the benchmark")
     targets = {kind: HFEagle3TargetModel.from_pretrained(
@@ -85,8 +85,10 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
 
 def _supervision(target, tokenizer, samples: int):
     """The kit's chats as the target's supervision (fp32), and their draft vocabulary."""
-    from eagle_ray.data import answer_token_counts, make_micro_batches, tokenize_chats
-    from eagle_ray.supervision import DraftVocab
+    from eagle_ray.contract.supervision import DraftVocab
+    from eagle_ray.data.draft_vocab import answer_token_counts
+    from eagle_ray.data.micro_batches import make_micro_batches
+    from eagle_ray.data.tokenize import tokenize_chats
     from eagle_ray.tiny import generate_chat_samples
 
     chats = [(f"sample {i}", s["messages"])
@@ -106,7 +108,7 @@ def _train_and_export(kind: str, target, tokenizer, vocab, supervision, steps: i
     from eagle_ray.draft.kinds import build_draft
     from eagle_ray.draft.model import DraftConfig
     from eagle_ray.draft.peagle import resolve_mask_token_id
-    from eagle_ray.train_loop import DraftLearner
+    from eagle_ray.train.loop import DraftLearner
 
     torch.manual_seed(0)
     config = DraftConfig.from_target(target.model.config, vocab.size,
@@ -124,7 +126,7 @@ def _train_and_export(kind: str, target, tokenizer, vocab, supervision, steps: i
 
 
 def _simulate(target, draft, vocab, prompts, answers, ks) -> dict[int, float]:
-    from eagle_ray.simulate import simulate_acceptance
+    from eagle_ray.evaluation.simulate import simulate_acceptance
 
     return {k: simulate_acceptance(target, draft, vocab, prompts, answers, k)[0] for k in ks}
 
@@ -135,9 +137,9 @@ def _serve(model_path: str, exports: dict[str, Path], prompts, ks, max_new_token
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle_ray.acceptance import AcceptanceTally
     from eagle_ray.backends.vllm.runner import CPU_DEFAULTS, build_llm
-    from eagle_ray.serving import DraftServing
+    from eagle_ray.draft.serving import DraftServing
+    from eagle_ray.evaluation.acceptance import AcceptanceTally
 
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0,
                             stop_token_ids=list(stops), detokenize=False)

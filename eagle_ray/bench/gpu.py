@@ -31,10 +31,13 @@ from collections.abc import Callable
 
 import torch
 
-from eagle_ray.aux_layers import resolve_eagle3_aux_layer_ids
 from eagle_ray.backends.base import RunnerEagle3TargetModel, RunnerOutput, TargetRunner
 from eagle_ray.backends.hf import HFTargetRunner
 from eagle_ray.bench import best_seconds, emit
+from eagle_ray.contract.aux_layers import resolve_eagle3_aux_layer_ids
+from eagle_ray.contract.fp8 import encode_batch
+from eagle_ray.contract.target_batch import ENCODINGS
+from eagle_ray.contract.target_head import TargetHead
 from eagle_ray.draft.model import (
     DraftConfig,
     Eagle3Draft,
@@ -42,10 +45,7 @@ from eagle_ray.draft.model import (
     ttt_attention,
     ttt_loss,
 )
-from eagle_ray.fp8 import encode_batch
-from eagle_ray.memory import TensorMemoryProbe
-from eagle_ray.target_batch import ENCODINGS
-from eagle_ray.target_head import TargetHead
+from eagle_ray.train.memory import TensorMemoryProbe
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _micro_batch(vocab: int, rows: int, seq: int) -> tuple[torch.Tensor, ...]:
 def hf_vs_cpu(device: torch.device, shape) -> None:
     """The HF backend on `device` equals its CPU reference (fp32), and is close in bf16."""
     from eagle_ray.backends.hf import HFEagle3TargetModel
-    from eagle_ray.supervision import DraftVocab
+    from eagle_ray.contract.supervision import DraftVocab
 
     vocab = shape[5]
     micro_batch = _micro_batch(vocab, 2, 64)
@@ -249,10 +249,10 @@ def learner_step(device: torch.device, shape) -> None:
     """The training loop's learner in bf16 autocast at the shape: tokens/s, and its peak memory
     (weights, AdamW state, one step) against the plan's for the same parts."""
     from eagle_ray.config import TrainConfig
+    from eagle_ray.contract.supervision import DraftVocab
+    from eagle_ray.contract.target_batch import Eagle3TargetBatch
     from eagle_ray.plan import trainer_memory
-    from eagle_ray.supervision import DraftVocab
-    from eagle_ray.target_batch import Eagle3TargetBatch
-    from eagle_ray.train_loop import DraftLearner
+    from eagle_ray.train.loop import DraftLearner
 
     hidden, _, heads, kv_heads, intermediate, vocab, rows, seq, steps = shape
     config = DraftConfig(hidden_size=hidden, target_hidden_size=hidden, num_attention_heads=heads,
@@ -296,7 +296,7 @@ def learner_step(device: torch.device, shape) -> None:
 def fp8(device: torch.device, shape) -> None:
     """Seconds to get a batch's hidden states into host memory: fp8 quantised on the device
     and copied, against the bf16 copy."""
-    from eagle_ray.target_batch import Eagle3TargetBatch
+    from eagle_ray.contract.target_batch import Eagle3TargetBatch
 
     hidden, rows, seq = shape[0], 8, min(shape[7], 2048)
     ids = torch.zeros(rows, seq, dtype=torch.long, device=device)

@@ -27,8 +27,8 @@ import psutil
 import ray
 
 from eagle_ray.bench import emit
-from eagle_ray.data import make_micro_batches, token_budget_micro_batches
-from eagle_ray.ingest import count_answers, read_chats, tokenized, training_rows
+from eagle_ray.data.ingest import count_answers, read_chats, tokenized, training_rows
+from eagle_ray.data.micro_batches import make_micro_batches, token_budget_micro_batches
 from eagle_ray.tiny import generate_chat_samples
 
 logger = logging.getLogger(__name__)

@@ -29,8 +29,8 @@ from torch import nn
 
 from eagle_ray.backends.base import RunnerEagle3TargetModel, RunnerOutput, TargetRunner
 from eagle_ray.bench import NAMESPACE, emit
+from eagle_ray.contract.target_head import TargetHead
 from eagle_ray.pool import ClientConfig, PoolConfig, TargetPool
-from eagle_ray.target_head import TargetHead
 from eagle_ray.testing import random_micro_batch
 
 BACKEND = "eagle_ray.bench.replica:gpu_shaped_backend"

@@ -86,7 +86,7 @@ class TwoStateEngine:
         from transformers import AutoConfig
 
         from eagle_ray.backends.vllm.runner import VLLMTargetRunner
-        from eagle_ray.checkpoint import load_embedding_and_head
+        from eagle_ray.contract.checkpoint import load_embedding_and_head
 
         config = AutoConfig.from_pretrained(model_path).get_text_config()
         layers = config.num_hidden_layers

@@ -20,9 +20,9 @@ import torch
 
 from eagle_ray.bench import NAMESPACE, emit
 from eagle_ray.bench.pool import _start_ray
+from eagle_ray.contract.supervision import DraftVocab, draft_target
+from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft, ttt_loss
-from eagle_ray.supervision import DraftVocab, draft_target
-from eagle_ray.target_batch import Eagle3TargetBatch
 
 
 def prefetched(backend, micro_batches: Iterable, depth: int) -> Iterator[Eagle3TargetBatch]:

@@ -18,8 +18,8 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from eagle_ray.bench import NAMESPACE, best_seconds, emit
+from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.pool.transport import batch_from_numpy, batch_to_numpy, payload_arrays
-from eagle_ray.target_batch import Eagle3TargetBatch
 
 
 @contextlib.contextmanager

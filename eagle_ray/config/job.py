@@ -107,7 +107,7 @@ class TrainConfig:
     max_controller_failures: int = 3
     """Worker-group start failures (e.g. never scheduled) before the job fails."""
     loggers: list[str] = dataclasses.field(default_factory=list)
-    """Experiment trackers fed by rank 0 (`eagle_ray.trackers`): `tensorboard`, `mlflow`."""
+    """Experiment trackers fed by rank 0 (`eagle_ray.train.trackers`): `tensorboard`, `mlflow`."""
     mlflow_tracking_uri: str | None = None
     """MLflow server or store; None: the folder `<output_dir>/mlruns`."""
     mlflow_experiment: str = "eagle_ray"
@@ -170,7 +170,7 @@ class RegenerateConfig:
 @dataclasses.dataclass
 class EvalConfig:
     """Acceptance length of the exported draft, as published drafts are compared (vLLM serving
-    it, chain drafting k tokens, greedy and sampled; `eagle_ray.evaluate`)."""
+    it, chain drafting k tokens, greedy and sampled; `eagle_ray.evaluation.evaluate`)."""
 
     enabled: bool = True
     """Evaluate the exported draft at the end of the job."""

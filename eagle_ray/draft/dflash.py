@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from eagle_ray.contract.supervision import soft_cross_entropy
 from eagle_ray.draft.model import (
     DraftConfig,
     DraftMLP,
@@ -33,7 +34,6 @@ from eagle_ray.draft.model import (
     frozen_embedding,
     rotate,
 )
-from eagle_ray.supervision import soft_cross_entropy
 
 ANCHORS_PER_ROW = 512  # SpecForge's default `num_anchors`
 

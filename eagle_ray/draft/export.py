@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from eagle_ray.aux_layers import vllm_capture_layer_ids
+from eagle_ray.contract.aux_layers import vllm_capture_layer_ids
+from eagle_ray.contract.identity import TargetIdentity
+from eagle_ray.contract.supervision import DraftVocab
 from eagle_ray.draft.kinds import build_draft
 from eagle_ray.draft.model import DraftConfig
-from eagle_ray.identity import TargetIdentity
-from eagle_ray.supervision import DraftVocab
 
 logger = logging.getLogger(__name__)
 

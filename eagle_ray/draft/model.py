@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eagle_ray.supervision import soft_cross_entropy
+from eagle_ray.contract.supervision import soft_cross_entropy
 
 TTT_STEP_WEIGHT = 0.8  # loss of step k is weighted 0.8 ** k
 

@@ -30,6 +30,11 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from eagle_ray.backends.base import Sampling
 from eagle_ray.config.pool import ClientConfig
+from eagle_ray.contract.target_batch import (
+    Eagle3TargetBatch,
+    validate_micro_batch,
+    validate_prompts,
+)
 from eagle_ray.pool import replica_calls
 from eagle_ray.pool.failures import (
     OUT_OF_MEMORY_ATTEMPTS,
@@ -50,7 +55,6 @@ from eagle_ray.pool.protocol import (
 from eagle_ray.pool.router_link import ROUTER_RETRY_S, Lease, RouterLink, RouterUnavailable
 from eagle_ray.pool.states import MicroBatchPhase
 from eagle_ray.pool.transport import pack_inputs
-from eagle_ray.target_batch import Eagle3TargetBatch, validate_micro_batch, validate_prompts
 
 logger = logging.getLogger(__name__)
 

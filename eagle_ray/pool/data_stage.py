@@ -40,9 +40,9 @@ import torch
 
 from eagle_ray.config.loader import ConfigError
 from eagle_ray.config.pool import ClientConfig
-from eagle_ray.identity import TargetIdentity
+from eagle_ray.contract.identity import TargetIdentity
+from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.pool.states import ReplicaState
-from eagle_ray.target_batch import Eagle3TargetBatch
 
 if TYPE_CHECKING:
     import ray.data

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
+from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.pool.failures import FailureKind, classify
 from eagle_ray.pool.protocol import EngineStats, MicroBatchOutOfMemory
-from eagle_ray.target_batch import Eagle3TargetBatch
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids, attention, loss [B, S]
 

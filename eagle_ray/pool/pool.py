@@ -11,7 +11,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
-from eagle_ray.identity import TargetIdentity
+from eagle_ray.contract.identity import TargetIdentity
 from eagle_ray.pool.controller import PoolController
 from eagle_ray.pool.placement import replica_bundle
 from eagle_ray.pool.protocol import PoolStatus, ReplicaStartupError

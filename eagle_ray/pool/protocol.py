@@ -15,7 +15,7 @@ import enum
 from typing import Any, NamedTuple
 
 from eagle_ray.config.loader import ConfigError
-from eagle_ray.identity import TargetIdentity
+from eagle_ray.contract.identity import TargetIdentity
 from eagle_ray.pool.states import ReplicaState
 
 # ---------------------------------------------------------------- client <-> replica

@@ -23,7 +23,8 @@ import torch
 from eagle_ray.backends import build_backend, resolve_model_path
 from eagle_ray.backends.base import Sampling
 from eagle_ray.config.pool import PoolConfig
-from eagle_ray.identity import TargetIdentity
+from eagle_ray.contract.identity import TargetIdentity
+from eagle_ray.contract.target_batch import validate_micro_batch, validate_prompts
 from eagle_ray.pool.engine_queue import EngineQueue
 from eagle_ray.pool.failures import (
     DEATHS_WHILE_STARTING,
@@ -34,7 +35,6 @@ from eagle_ray.pool.failures import (
 )
 from eagle_ray.pool.protocol import ReplicaInfo
 from eagle_ray.pool.transport import Payload, batch_to_numpy
-from eagle_ray.target_batch import validate_micro_batch, validate_prompts
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Ray stores numpy arrays out of band and readers on the same node map them withou
 tensors would be copied on read (unless RAY_ENABLE_ZERO_COPY_TORCH_TENSORS is set everywhere).
 bf16 has no numpy dtype, so it travels as its int16 bit pattern with the torch dtype alongside.
 With `encoding_dtype="fp8"` the hidden states travel as e4m3 bytes with their scales
-(`eagle_ray.fp8`) and are dequantised on read, into the dtype the engine produced.
+(`eagle_ray.contract.fp8`) and are dequantised on read, into the dtype the engine produced.
 Tensors read back are views of read-only object-store memory: clone before writing into them.
 """
 
@@ -17,8 +17,8 @@ import numpy as np
 import ray
 import torch
 
-from eagle_ray.fp8 import FP8, dequantize_fp8, encode_batch
-from eagle_ray.target_batch import Eagle3TargetBatch
+from eagle_ray.contract.fp8 import FP8, dequantize_fp8, encode_batch
+from eagle_ray.contract.target_batch import Eagle3TargetBatch
 
 # Inputs up to this size are passed by value in each replica call, larger ones put in the object
 # store once (Ray inlines arguments under 100 KiB; 64 KiB is ~2.7k tokens of int64 and masks).

@@ -29,7 +29,7 @@ from eagle_ray.backends.vllm.handoff import (
     choose_handoff,
     handoff_key,
 )
-from eagle_ray.tokenizer_files import serves_without_tokenizer
+from eagle_ray.data.tokenizer_files import serves_without_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from eagle_ray.aux_layers import resolve_aux_layer_ids, vllm_capture_layer_ids
 from eagle_ray.backends.base import RunnerEagle3TargetModel
 from eagle_ray.backends.vllm.runner import VLLMTargetRunner
-from eagle_ray.checkpoint import load_embedding_and_head, resolve_dtype
-from eagle_ray.supervision import DraftVocab
-from eagle_ray.target_batch import Encoding
+from eagle_ray.contract.aux_layers import resolve_aux_layer_ids, vllm_capture_layer_ids
+from eagle_ray.contract.checkpoint import load_embedding_and_head, resolve_dtype
+from eagle_ray.contract.supervision import DraftVocab
+from eagle_ray.contract.target_batch import Encoding
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import os
 from typing import Any, NamedTuple
 
 from eagle_ray.config import ConfigError, JobConfig, flatten, to_dict
-from eagle_ray.identity import TargetIdentity
+from eagle_ray.contract.identity import TargetIdentity
 
 logger = logging.getLogger(__name__)
 

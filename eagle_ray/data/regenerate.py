@@ -31,7 +31,7 @@ from typing import Any
 from tqdm import tqdm
 
 from eagle_ray.backends.base import Sampling
-from eagle_ray.chat import (
+from eagle_ray.data.chat import (
     SHAREGPT_ROLES,
     conversation_key,
     conversation_messages,

@@ -33,7 +33,7 @@ class DraftServing:
         """`dtype` "auto" is the checkpoint's own (read from its config.json)."""
         from transformers import AutoConfig
 
-        from eagle_ray.checkpoint import resolve_dtype
+        from eagle_ray.contract.checkpoint import resolve_dtype
         from eagle_ray.draft.export import exported_kind
 
         text_config = AutoConfig.from_pretrained(model_path).get_text_config()

@@ -1,4 +1,4 @@
-"""One Ray Train worker of the draft-training job (`eagle_ray.train.run_job` starts them).
+"""One Ray Train worker of the draft-training job (`eagle_ray.train.job.run_job` starts them).
 
 Each worker streams its shard's micro-batches through a `PoolClient` -- the in-flight window
 prefetches supervision, so target latency overlaps the draft's compute -- and trains with DDP,
@@ -23,22 +23,22 @@ from typing import Any
 
 import torch
 
-from eagle_ray.checkpoint import load_embedding_and_head
 from eagle_ray.config import ClientConfig, DataConfig, JobConfig, TrainConfig, to_dict
-from eagle_ray.data import padding_share, token_budget_micro_batches
+from eagle_ray.contract.checkpoint import load_embedding_and_head
+from eagle_ray.contract.identity import TargetIdentity
+from eagle_ray.contract.supervision import DraftVocab, draft_target
+from eagle_ray.contract.target_head import TargetHead
+from eagle_ray.data.micro_batches import padding_share, token_budget_micro_batches
+from eagle_ray.data.supervision_cache import SupervisionCache
 from eagle_ray.draft.export import export_draft
 from eagle_ray.draft.kinds import build_draft
 from eagle_ray.draft.model import DraftConfig
-from eagle_ray.identity import TargetIdentity
 from eagle_ray.plan import check_worker_memory
 from eagle_ray.pool import PoolClient
 from eagle_ray.pool.telemetry import TrainerMetrics
-from eagle_ray.run_record import RECORD_FILE
-from eagle_ray.supervision import DraftVocab, draft_target
-from eagle_ray.supervision_cache import SupervisionCache
-from eagle_ray.target_head import TargetHead
-from eagle_ray.trackers import Trackers
-from eagle_ray.train_device import DevicePrefetcher, autocast_dtype
+from eagle_ray.train.device import DevicePrefetcher, autocast_dtype
+from eagle_ray.train.run_record import RECORD_FILE
+from eagle_ray.train.trackers import Trackers
 
 logger = logging.getLogger(__name__)
 

@@ -27,10 +27,10 @@ import time
 
 import torch
 
-from eagle_ray.acceptance import AcceptanceTally
 from eagle_ray.backends.hf import HFEagle3TargetModel
+from eagle_ray.contract.supervision import DraftVocab
 from eagle_ray.draft.model import Eagle3Draft
-from eagle_ray.supervision import DraftVocab
+from eagle_ray.evaluation.acceptance import AcceptanceTally
 
 
 def draft_chain(draft: Eagle3Draft, vocab: DraftVocab, aux_hidden_states: torch.Tensor,

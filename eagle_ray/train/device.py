@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import torch
 
+from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.devices import HandOver, start_hand_over
-from eagle_ray.target_batch import Eagle3TargetBatch
 
 PRECISIONS: tuple[str, ...] = ("auto", "bf16", "fp32")  # `train.precision`
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from eagle_ray.target_batch import NUM_AUX_LAYERS
+from eagle_ray.contract.target_batch import NUM_AUX_LAYERS
 
 
 class AuxLayerIds(list):

@@ -3,10 +3,10 @@ target's GPUs are (a Ray task: `evaluate_on_cluster`).
 
 1. vLLM itself serving the exported draft as the target's `eagle3` speculative model, at each
    `eval.num_speculative_tokens` k and `eval.temperatures` temperature, with intervals
-   (`eagle_ray.acceptance`); at temperature 0 its output must equal the target's greedy output
-   without speculation.
-2. The project's own chain-drafting simulation with the HF target (`eagle_ray.simulate`) on
-   the same turns, at the same k and temperatures, for the trained draft and an untrained one
+   (`eagle_ray.evaluation.acceptance`); at temperature 0 its output must equal the target's
+   greedy output without speculation.
+2. The project's own chain-drafting simulation with the HF target (`eagle_ray.evaluation.simulate`)
+   on the same turns, at the same k and temperatures, for the trained draft and an untrained one
    (the baseline): independent of vLLM's speculative decoding, so each checks the other (at
    temperature 0 they agree exactly).
 """
@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 
-from eagle_ray.acceptance import answer_turn_by_turn, vllm_acceptance_table
 from eagle_ray.backends.base import Sampling
 from eagle_ray.backends.hf import HFEagle3TargetModel
-from eagle_ray.chat import stop_token_ids
 from eagle_ray.config import ConfigError, EvalConfig, PoolConfig
+from eagle_ray.data.chat import stop_token_ids
 from eagle_ray.draft.export import load_exported_draft
-from eagle_ray.eval_prompts import EvalPrompt, EvalPrompts, read_eval_prompts
-from eagle_ray.serving import DraftServing
-from eagle_ray.simulate import (
+from eagle_ray.draft.serving import DraftServing
+from eagle_ray.evaluation.acceptance import answer_turn_by_turn, vllm_acceptance_table
+from eagle_ray.evaluation.prompts import EvalPrompt, EvalPrompts, read_eval_prompts
+from eagle_ray.evaluation.simulate import (
     draft_seconds_per_verify_step,
     simulate_acceptance,
     simulate_sampled,
@@ -109,12 +109,12 @@ def evaluate_draft(serving: DraftServing, prompts: EvalPrompts, eval_config: Eva
                    ) -> dict[str, Any]:
     """Acceptance of the exported draft: the project's own simulation of the trained and of an
     untrained draft with the HF target first, then vLLM serving the draft at every k and
-    temperature of `eval_config` as `serving.command(k)` does (`eagle_ray.acceptance`), on the
-    same turns; on the target the draft was exported for (its aux layer ids), in the target's
+    temperature of `eval_config` as `serving.command(k)` does (`eagle_ray.evaluation.acceptance`),
+    on the same turns; on the target the draft was exported for (its aux layer ids), in the target's
     dtype, on a GPU where this process has one. Runs where it is called: a job runs it as a Ray
     task with the target's resources (`evaluate_on_cluster`)."""
+    from eagle_ray.data.tokenizer_files import load_tokenizer
     from eagle_ray.draft.export import exported_ttt_steps
-    from eagle_ray.tokenizer_files import load_tokenizer
 
     check_eval_settings(eval_config, exported_ttt_steps(serving.draft_dir),
                         f"the draft's {Path(serving.draft_dir) / 'config.json'} "
@@ -187,7 +187,7 @@ def _simulate(serving: DraftServing, prompts: EvalPrompts, tokenizer, eval_confi
                                    eval_config.seed)
             row[name], row[f"acceptance_per_position_{name}"] = (run.length(),
                                                                  run.tally.per_position())
-            # Exact E[accepted | context] over the same verify steps (eagle_ray.simulate).
+            # Exact E[accepted | context] over the same verify steps (evaluation.simulate).
             row[f"{name}_expected"] = run.expected_length()
             row[f"{name}_expected_interval_95"] = list(run.expected_interval())
         if temperature > 0:

@@ -1,5 +1,5 @@
 """`eagle-ray cache --config JOB.yaml`: the pool's supervision for the job's data, written once to
-`data.supervision_cache` (`eagle_ray.supervision_cache`), so training needs no target.
+`data.supervision_cache` (`eagle_ray.data.supervision_cache`), so training needs no target.
 
 The data goes through the job's own path (read, regenerate if enabled, tokenise, hold out, draft
 vocabulary), then one pass of token-budget micro-batches streams through the pool, every replica
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle_ray.config import ClientConfig, ConfigError, JobConfig
-from eagle_ray.supervision_cache import SHARD_BYTES, SupervisionCacheWriter
-from eagle_ray.tokenizer_files import load_tokenizer
+from eagle_ray.data.supervision_cache import SHARD_BYTES, SupervisionCacheWriter
+from eagle_ray.data.tokenizer_files import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +25,10 @@ def run_cache(config: JobConfig, log_to_driver: bool = True,
     """Write the cache; returns its summary (micro-batches, tokens, bytes per token, seconds)."""
     from tqdm import tqdm
 
-    from eagle_ray.ingest import prepare_job_data
+    from eagle_ray.data.ingest import prepare_job_data
+    from eagle_ray.driver import check_paths, init_ray, job_pool
     from eagle_ray.resources import check_job_resources
-    from eagle_ray.train import check_paths, init_ray, job_pool
-    from eagle_ray.train_loop import epoch_micro_batches
+    from eagle_ray.train.loop import epoch_micro_batches
 
     if not config.data.supervision_cache:
         raise ConfigError("eagle-ray cache writes to data.supervision_cache: set it to a folder "

@@ -20,8 +20,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from eagle_ray.chat import ChatFormatError, conversation_messages
 from eagle_ray.config.loader import ConfigError
+from eagle_ray.data.chat import ChatFormatError, conversation_messages
 
 Messages = list[dict[str, str]]
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from eagle_ray.chat import prompt_for_turn
 from eagle_ray.console import native_output_to_log
-from eagle_ray.eval_prompts import EvalPrompt
-from eagle_ray.serving import DraftServing
+from eagle_ray.data.chat import prompt_for_turn
+from eagle_ray.draft.serving import DraftServing
+from eagle_ray.evaluation.prompts import EvalPrompt
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,8 @@ def _max_model_len(model_path: str, prompts: Sequence[EvalPrompt], tokenizer,
                    max_new_tokens: int) -> int:
     """Room for the longest prompt with every turn answered in full (and a few tokens of the
     template's around each answer), within the target's positions: sized for these prompts, not
-    the checkpoint's 131,072 positions a Llama-3.1 would claim (`eagle_ray.engine_sizing`)."""
+    the checkpoint's 131,072 positions a Llama-3.1 would claim
+    (`eagle_ray.backends.vllm.sizing`)."""
     from transformers import AutoConfig
 
     def rendered(prompt: EvalPrompt) -> int:  # every turn, each answer empty
@@ -210,7 +211,7 @@ def _spec_engine(serving: DraftServing, k: int, max_model_len: int, seed: int
     from vllm.platforms import current_platform
 
     from eagle_ray.backends.vllm.runner import CPU_DEFAULTS, GPU_DEFAULTS, build_llm
-    from eagle_ray.tokenizer_files import serves_without_tokenizer
+    from eagle_ray.data.tokenizer_files import serves_without_tokenizer
 
     kwargs = {**(CPU_DEFAULTS if current_platform.is_cpu() else GPU_DEFAULTS),
               **serving.engine_kwargs(k)}

@@ -27,10 +27,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle_ray.config import ConfigError, PoolConfig
-from eagle_ray.fp8 import dequantize_fp8, encode_batch
-from eagle_ray.identity import TargetIdentity, check_job_target
-from eagle_ray.supervision import DraftVocab
-from eagle_ray.target_batch import Eagle3TargetBatch
+from eagle_ray.contract.fp8 import dequantize_fp8, encode_batch
+from eagle_ray.contract.identity import TargetIdentity, check_job_target
+from eagle_ray.contract.supervision import DraftVocab
+from eagle_ray.contract.target_batch import Eagle3TargetBatch
 
 logger = logging.getLogger(__name__)
 

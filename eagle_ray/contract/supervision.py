@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.devices import hand_over
-from eagle_ray.target_batch import Eagle3TargetBatch
 
 if TYPE_CHECKING:
-    from eagle_ray.target_head import TargetHead
+    from eagle_ray.contract.target_head import TargetHead
 
 # Tokens per chunk when decoding last_hidden through the full-vocabulary head: bounds the
 # transient [chunk, V] logits (128k vocab x 4096 tokens x 4 B = 2 GiB at most).

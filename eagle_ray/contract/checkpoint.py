@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from eagle_ray.target_head import TargetHead, head_options
+from eagle_ray.contract.target_head import TargetHead, head_options
 
 logger = logging.getLogger(__name__)
 

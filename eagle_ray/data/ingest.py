@@ -2,7 +2,7 @@
 
 Nothing is collected on the driver. `read_chats` reads JSONL or Parquet (a file, a folder, or a
 list of them) with Ray Data; `tokenized` adds a `map_batches` stage that renders and masks each
-conversation with the target's chat template (`eagle_ray.chat`) on the cluster's CPUs and marks
+conversation with the target's chat template (`eagle_ray.data.chat`) on the cluster's CPUs and marks
 what happened to it; the workers read their shard with `ray.train.get_dataset_shard` and build
 token-budget micro-batches (`eagle_ray.data.token_budget_micro_batches`). The driver makes one
 streaming pass (`count_answers`) for the draft vocabulary and the counts, cached beside it.
@@ -30,18 +30,14 @@ import ray.data
 import torch
 
 from eagle_ray.backends.base import Sampling
-from eagle_ray.chat import conversation_key, conversation_messages, is_json_array
 from eagle_ray.config import ConfigError, DataConfig, JobConfig
-from eagle_ray.data import (
-    STATUSES,
-    TRAINED,
-    load_or_build_draft_vocab,
-    micro_batches_per_epoch,
-    tokenize_row,
-)
-from eagle_ray.identity import TargetIdentity
+from eagle_ray.contract.identity import TargetIdentity
+from eagle_ray.contract.supervision import DraftVocab
+from eagle_ray.data.chat import conversation_key, conversation_messages, is_json_array
+from eagle_ray.data.draft_vocab import load_or_build_draft_vocab
+from eagle_ray.data.micro_batches import micro_batches_per_epoch
+from eagle_ray.data.tokenize import STATUSES, TRAINED, tokenize_row
 from eagle_ray.pool.client import PoolClient
-from eagle_ray.supervision import DraftVocab
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +304,7 @@ def regenerate_job_data(config: JobConfig, served: TargetIdentity, tokenizer,
                         ) -> tuple[Path, dict[str, Any]]:
     """The job's training conversations with the target's own answers, cached in `output_dir`
     (named by what they depend on; an interrupted run resumes)."""
-    from eagle_ray.regenerate import regenerate_file
+    from eagle_ray.data.regenerate import regenerate_file
     from eagle_ray.tiny import write_chat_dataset
 
     data, settings = config.data, config.regenerate

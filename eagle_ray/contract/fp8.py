@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import torch
 
+from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.devices import to_device
-from eagle_ray.target_batch import Eagle3TargetBatch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
