@@ -83,7 +83,7 @@ _EXPORTS: dict[str, str] = {
     "tiny_chat_dataset": "eagle_ray.tiny",
 }
 
-# Exactly the keys of _EXPORTS (tests/test_library.py checks it).
+# Exactly the keys of _EXPORTS (tests/pool/test_library.py checks it).
 __all__ = ["AutoscalingConfig", "ClientConfig", "ConfigError", "DraftVocab", "Eagle3TargetBatch",
            "MicroBatchFailed", "MicroBatchOutOfMemory", "PoolClient", "PoolConfig",
            "ReplicaStartupError", "SelfCheckError", "SupervisionRows", "SupervisionStage",

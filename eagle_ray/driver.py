@@ -3,7 +3,7 @@ join or start Ray, check the job's paths and settings before any cluster work, a
 job's pool (started for the job, or the shared one) for as long as the job needs it.
 
 The driver runs on the head, which may have no GPU and no copy of the data: nothing here loads a
-model (tests/test_train.py watches for it).
+model (tests/train/test_train.py watches for it).
 """
 
 from __future__ import annotations

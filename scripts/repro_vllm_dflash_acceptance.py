@@ -2,7 +2,7 @@
 
 `eagle-ray bench drafts` trains a three-layer DFlash draft on the kit's five target layers; vLLM
 serving it accepts slightly more than the greedy simulation of the same draft (which equals an
-independent computation of vLLM's DFlash forward block by block: tests/test_dflash.py). This
+independent computation of vLLM's DFlash forward block by block: tests/draft/test_dflash.py). This
 script trains that draft (the bench's own code, same seed), then measures per held-out prompt:
 the simulation's acceptance length and vLLM's, one prompt at a time and batched, with vLLM's
 default padded drafter batch and, where vLLM accepts it, without it (`disable_padded_drafter_batch`:

@@ -16,8 +16,12 @@ from eagle_ray.pool.protocol import ClientStats
 from eagle_ray.testing import random_micro_batch, synthetic_aux_states
 
 SYNTHETIC = "eagle_ray.testing:fixed_latency_target"
-# Ray workers import this module (TrainerStandIn lives here): put tests/ on their path.
-TESTS_ON_WORKER_PATH = {"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}}
+# Ray workers import this module (TrainerStandIn lives here) and test modules: put tests/ and
+# its folders on their path.
+TESTS_PATH = os.pathsep.join(str(folder) for folder in [
+    Path(__file__).parent, *sorted(p for p in Path(__file__).parent.iterdir()
+                                   if p.is_dir() and p.name.isidentifier())])
+TESTS_ON_WORKER_PATH = {"env_vars": {"PYTHONPATH": TESTS_PATH}}
 HIDDEN = 8
 VOCAB = 1024
 

@@ -206,3 +206,13 @@ def test_the_public_backend_paths_still_name_the_backends():
     assert vllm_target.VLLMEagle3TargetModel is target.VLLMEagle3TargetModel
     assert set(target_runner.__all__) == set(base.__all__)
     assert all(getattr(target_runner, n) is getattr(base, n) for n in base.__all__)
+
+
+MAX_ROOT_MODULES = 15
+
+
+def test_the_package_root_holds_few_modules():
+    """What the root holds is what the jobs share; the rest lives in the package of its part
+    (docs/architecture.md, "Modules")."""
+    root = sorted(p.name for p in PACKAGE_DIR.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root

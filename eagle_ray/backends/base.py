@@ -321,7 +321,7 @@ class RunnerEagle3TargetModel:
 # fell at most 1.5 eps x |best| short and no row of 2,048 was refused; a capture one layer off
 # was caught on 89 % (tiny target) and 97 % (Llama-3.1-8B shapes) of the rows where its argmax
 # differs at all. 64 (half the best logit) let it through on the tiny pre-trained Llama
-# (tests/test_self_check.py).
+# (tests/backends/test_self_check.py).
 SELF_CHECK_EPS = 4
 SELF_CHECK_RULE = (f"logit(engine token) >= best - {SELF_CHECK_EPS} eps(head dtype) "
                    f"max(abs(best), 1)")

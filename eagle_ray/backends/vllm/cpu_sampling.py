@@ -15,7 +15,7 @@ must run in vLLM's worker process before the worker registers its kernel overrid
 `vllm.general_plugins` entry point (`plugin.register`) runs there first. Where Triton runs the
 real kernel (GPU builds) it does nothing, and `EAGLE_RAY_CPU_SAMPLING_FIX=0` leaves vLLM's
 kernel as shipped (to reproduce the defect). `scripts/repro_vllm_sampling.py` reproduces the
-defect and the fix; tests/test_vllm_sampling.py holds both.
+defect and the fix; tests/backends/test_vllm_sampling.py holds both.
 """
 
 from __future__ import annotations

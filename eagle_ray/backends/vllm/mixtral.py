@@ -61,7 +61,8 @@ class Eagle3MixtralForCausalLM(MixtralForCausalLM, SupportsEagle3):
     The parent's `__init__` builds its decoder by the module-level name `MixtralModel`; while it
     runs, that name points at `Eagle3MixtralModel`, so the decoder is built once, as the class
     vLLM then compiles. (Swapping `__class__` after construction left the compiled graph on the
-    stock `forward`, which returns no aux states: tests/test_vllm_target.py runs it compiled.)
+    stock `forward`, which returns no aux states: tests/backends/test_vllm_target.py runs it
+    compiled.)
     """
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:

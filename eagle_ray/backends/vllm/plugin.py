@@ -8,7 +8,7 @@ aux_hidden_state_outputs was requested"). `register` -- the `vllm.general_plugin
 this package installs, so every vLLM process of an environment with eagle_ray in it loads it,
 including a `vllm serve` of an exported draft -- registers the subclass below in its place, and
 does nothing once vLLM's own class supports EAGLE-3. Equal to the HF reference on every slot:
-tests/test_vllm_target.py. It also fixes the CPU build's rejection-sampler kernel
+tests/backends/test_vllm_target.py. It also fixes the CPU build's rejection-sampler kernel
 (`cpu_sampling`), which must be in place before the worker registers its kernel overrides.
 """
 

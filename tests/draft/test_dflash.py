@@ -1,6 +1,6 @@
 """DFlash (eagle_ray/draft/dflash.py): its training forward and loss against an independent
 computation of what vLLM's DFlash proposer runs, with controls; one-pass proposing; its export.
-The job end to end (vLLM serving it with the `dflash` method): tests/test_train.py."""
+The job end to end (vLLM serving it with the `dflash` method): tests/train/test_train.py."""
 
 import json
 import math

@@ -22,7 +22,7 @@ from ray_heads import BIN, agent_port_args, free_port, short_temp_dir, stop_head
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_head(auth_mode: str):

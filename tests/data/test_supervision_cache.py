@@ -1,6 +1,6 @@
 """The supervision cache's format: written then read gives the same batches, in shards, split
 between workers, and a cache from another target or other aux ids is refused. (Writing one with
-the pool and training from it: tests/test_train.py.)"""
+the pool and training from it: tests/train/test_train.py.)"""
 
 import pytest
 import torch

@@ -126,7 +126,7 @@ def test_the_draft_runs_on_the_gpu_from_a_gpu_batch(fake_gpu):
     tensors on the batch's device. (Autograd and the loss's log-softmax cannot run on fake CUDA
     tensors on a CPU build; they create no tensors of their own but `ttt_loss`'s zero. CUDA
     autocast is disabled on a CPU build, so bf16 is proven through the training loop on the
-    CPU instead: tests/test_precision.py.)"""
+    CPU instead: tests/train/test_precision.py.)"""
     backend = gpu_backend()
     batch = backend.generate_batch(*micro_batch("cpu"))
     config = DraftConfig(hidden_size=HIDDEN, target_hidden_size=HIDDEN, num_attention_heads=2,

@@ -27,7 +27,7 @@ from eagle_ray.train.report import REPORT_SIZE_PX, TRAINING_ONLY_SIZE_PX, vllm_a
 
 from pool_helpers import running_ray
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,8 @@
 """Any number N >= 1 of captured layers (docs/contract.md, "Aux layer ids"): the batch says how
 many it carries, keeps saying so across the object store (both encodings), the supervision
 cache and device copies, and what travels grows by one hidden state per layer. EAGLE-3 jobs
-still read exactly three. vLLM == HF on every slot at N = 1 and 5: tests/test_vllm_target.py."""
+still read exactly three. vLLM == HF on every slot at N = 1 and 5:
+tests/backends/test_vllm_target.py."""
 
 import pytest
 import torch

@@ -23,7 +23,7 @@ from eagle_ray.train.job import run_job
 
 from pool_helpers import running_ray, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEPS, CHECKPOINT_EVERY, LOG_EVERY = 40, 10, 5
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,8 @@
 """Mixture-of-experts targets on the real CPU vLLM engine equal the HF reference on every slot:
 Qwen3-MoE (padded vocabulary), Mixtral (EAGLE-3 through eagle_ray's vLLM plugin, served from a
 weights-only folder) and gpt-oss (sliding-window layers, attention sinks). DeepSeek-V2's latent
-attention runs on the HF backend only (docs/backends.md, "Targets"): tests/test_hf_target.py.
+attention runs on the HF backend only (docs/backends.md, "Targets"):
+tests/backends/test_hf_target.py.
 """
 
 import shutil

@@ -31,7 +31,7 @@ from eagle_ray import (
 from eagle_ray.pool.data_stage import pack_rows, rows_of, supervise_rows
 from eagle_ray.testing import fixed_latency_target
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "eagle_ray_test"
 SERVED = TargetIdentity(model_path="/models/tiny", fingerprint="f" * 32, num_hidden_layers=8,
                         hidden_size=128, vocab_size=1024, aux_layer_ids=(1, 3, 4),

@@ -29,7 +29,7 @@ def test_the_status_table_shows_supply_demand_and_each_replica():
     assert lines[5].split()[:3] == ["1", "starting", "-"] and lines[5].split()[6] == "-"
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SUFFIXES = {"Counter": ("_total",), "Gauge": ("",), "Histogram": ("_bucket", "_count", "_sum")}
 RAY_LABELS = {"le"}  # histogram buckets; Ray adds instance labels too, none of them queried
 

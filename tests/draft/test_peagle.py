@@ -1,6 +1,6 @@
 """P-EAGLE (eagle_ray/draft/peagle.py): its training forward against an independent computation
 of what vLLM runs when it drafts in parallel, with a control; its export; training on the kit.
-The job end to end (vLLM serving it with `parallel_drafting`): tests/test_train.py."""
+The job end to end (vLLM serving it with `parallel_drafting`): tests/train/test_train.py."""
 
 import json
 import math
