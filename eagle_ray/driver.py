@@ -123,7 +123,7 @@ def job_pool(config: JobConfig) -> Iterator[tuple[Any, TargetIdentity]]:
     """The job's pool and what it serves, checked against the job's target settings: started
     for the job (and shut down after it, its engines sized for the job's longest sequence), or
     the shared one named `target.name` (refused when its engines take shorter rows)."""
-    from eagle_ray.backends.vllm.sizing import check_rows_fit, sized_pool_config
+    from eagle_ray.backends.sizing import check_rows_fit, sized_pool_config
     from eagle_ray.contract.identity import check_job_target
     from eagle_ray.pool import TargetPool
 

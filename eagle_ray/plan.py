@@ -198,12 +198,15 @@ def check_trainer_fits(plan: Plan, budget_gib: float | None = None) -> None:
 
 def check_job_fits(job: JobConfig, plan: Plan, trainer_budget_gib: float | None = None
                    ) -> None:
-    """The trainer's and (for vLLM) the replica's checks, for a GPU job."""
-    from eagle_ray.backends.vllm.sizing import sized_pool_config
+    """The trainer's and (for an engine with a KV cache) the replica's checks, for a GPU job."""
+    from eagle_ray.backends.engines import ENGINES
+    from eagle_ray.backends.sizing import sized_pool_config
 
     check_trainer_fits(plan, trainer_budget_gib)
-    if job.target.backend == "vllm":
-        check_replica_fits(plan, sized_pool_config(job).vllm_kwargs["max_model_len"])
+    engine = ENGINES.get(job.target.backend)
+    max_model_len = engine.max_model_len(sized_pool_config(job)) if engine else None
+    if max_model_len is not None:
+        check_replica_fits(plan, max_model_len)
 
 
 def check_worker_memory(job: JobConfig, model_path: str) -> None:

@@ -48,6 +48,17 @@ def test_engine_arguments_the_capture_cannot_take_fail_as_the_config_loads(vllm_
                                                      "distributed_executor_backend": "ray"}}})
 
 
+def test_each_engine_checks_its_own_settings_as_the_config_loads():
+    """The check lives with the engine (`backends/engines.py`): the HF backend runs on one
+    device, vLLM takes tensor parallelism; an unknown backend names the engines there are."""
+    with pytest.raises(ConfigError, match="target.tp_size=2: the hf backend runs a target on one"):
+        from_dict(JobConfig, {"target": {"backend": "hf", "tp_size": 2}})
+    from_dict(JobConfig, {"target": {"backend": "vllm", "tp_size": 2}})  # the control
+    with pytest.raises(ConfigError, match=r"backend must be one of \['hf', 'vllm'\] or"):
+        from_dict(JobConfig, {"target": {"backend": "sglang"}})
+    from_dict(JobConfig, {"target": {"backend": "my_package.engines:build"}})  # a factory
+
+
 def test_missing_model_path_is_a_clear_error(tmp_path):
     config = from_dict(JobConfig, {"target": {"model_path": str(tmp_path / "nope")}})
     with pytest.raises(ConfigError, match="is not a model folder"):

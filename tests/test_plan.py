@@ -72,8 +72,8 @@ def test_every_shipped_gpu_recipe_fits_an_80_gib_gpu(recipe):
     assert plan.trainer["total"] <= TRAINER_SHARE * 80 * GIB, plan.trainer
     check_job_fits(job, plan)
     assert plan.replica["total"] <= 80 * GIB
-    # The job's own engines: sized for its rows and regenerated answers (backends/vllm/sizing.py).
-    from eagle_ray.backends.vllm.sizing import sized_pool_config
+    # The job's own engines: sized for its rows and regenerated answers (backends/sizing.py).
+    from eagle_ray.backends.sizing import sized_pool_config
 
     assert plan.kv_cache_tokens >= sized_pool_config(job).vllm_kwargs["max_model_len"] \
         > job.data.max_length

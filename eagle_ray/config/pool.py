@@ -56,7 +56,8 @@ class PoolConfig:
     tp_size: int = 1
     """Tensor-parallel ranks per replica, all on one node: the replica's one bundle holds
     `tp_size` GPUs (and `tp_size` x `cpus_per_bundle` CPUs), and vLLM runs its ranks as the
-    replica's own worker processes (docs/architecture.md, "Tensor parallelism")."""
+    replica's own worker processes (docs/architecture.md, "Tensor parallelism"). The `hf`
+    backend takes 1."""
     dtype: str = "auto"
     """`auto`, `bfloat16`, `float16` or `float32`."""
     aux_layer_ids: list[int] | None = None
@@ -124,16 +125,17 @@ class PoolConfig:
             raise ConfigError("max_outstanding_tokens_per_replica must be >= 1")
         if self.replica_concurrency < 1 or self.max_tokens_per_engine_call < 1:
             raise ConfigError("replica_concurrency and max_tokens_per_engine_call must be >= 1")
-        if self.backend == "vllm":
-            from eagle_ray.backends.vllm.engine_args import check_vllm_kwargs
+        from eagle_ray.backends.engines import ENGINES
 
+        engine = ENGINES.get(self.backend)
+        if engine is None and ":" not in self.backend:
+            raise ConfigError(f"backend must be one of {sorted(ENGINES)} or 'module:factory', "
+                              f"got {self.backend!r}")
+        if engine is not None:
             try:
-                check_vllm_kwargs(self.vllm_kwargs, self.tp_size)
+                engine.check_config(self)
             except ValueError as e:
                 raise ConfigError(f"target.{e}") from None
-        if self.backend not in ("vllm", "hf") and ":" not in self.backend:
-            raise ConfigError(f"backend must be 'vllm', 'hf' or 'module:factory', "
-                              f"got {self.backend!r}")
 
     # Every name the pool gives its actors and placement groups comes from here.
 

@@ -189,7 +189,7 @@ def _max_model_len(model_path: str, prompts: Sequence[EvalPrompt], tokenizer,
     """Room for the longest prompt with every turn answered in full (and a few tokens of the
     template's around each answer), within the target's positions: sized for these prompts, not
     the checkpoint's 131,072 positions a Llama-3.1 would claim
-    (`eagle_ray.backends.vllm.sizing`)."""
+    (`eagle_ray.backends.sizing`)."""
     from transformers import AutoConfig
 
     def rendered(prompt: EvalPrompt) -> int:  # every turn, each answer empty
@@ -205,22 +205,14 @@ def _max_model_len(model_path: str, prompts: Sequence[EvalPrompt], tokenizer,
 @contextlib.contextmanager
 def _spec_engine(serving: DraftServing, k: int, max_model_len: int, seed: int
                  ) -> Iterator[Any]:
-    """vLLM serving the draft as the target's EAGLE-3 draft with `k` tokens per step (as
+    """vLLM serving the draft as the target's speculative model with `k` tokens per step (as
     `serving.command(k)` does), keeping per-request acceptance counters, its sampling seeded
     with `seed`."""
-    from vllm.platforms import current_platform
+    from eagle_ray.backends.vllm.runner import serving_engine
 
-    from eagle_ray.backends.vllm.runner import CPU_DEFAULTS, GPU_DEFAULTS, build_llm
-    from eagle_ray.data.tokenizer_files import serves_without_tokenizer
-
-    kwargs = {**(CPU_DEFAULTS if current_platform.is_cpu() else GPU_DEFAULTS),
-              **serving.engine_kwargs(k)}
-    with native_output_to_log():
-        llm = build_llm({
-            **kwargs, "max_model_len": max_model_len, "seed": seed,
-            "skip_tokenizer_init": serves_without_tokenizer(serving.model_path, kwargs),
-            "per_request_spec_decode_metrics": "summary"}, multiprocess=True)
-    try:
+    with contextlib.ExitStack() as stack:
+        with native_output_to_log():
+            llm = stack.enter_context(serving_engine({
+                **serving.engine_kwargs(k), "max_model_len": max_model_len, "seed": seed,
+                "per_request_spec_decode_metrics": "summary"}))
         yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()

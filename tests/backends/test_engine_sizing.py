@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from eagle_ray.backends.vllm.sizing import check_rows_fit, longest_sequence, sized_pool_config
+from eagle_ray.backends.sizing import check_rows_fit, longest_sequence, sized_pool_config
 from eagle_ray.config import ConfigError, JobConfig, load_yaml
 from eagle_ray.testing import random_micro_batch
 from eagle_ray.tiny import build_tiny_target

@@ -3,7 +3,7 @@
 One training run (module fixture) backs the assertions; a second run resumes from its checkpoint.
 The target is the kit's pre-trained tiny Llama with Llama-3.1's context length (131,072
 positions), and the job sets no vLLM option: the job sizes its engines
-(`backends/vllm/sizing.py`), which sized from the checkpoint would not fit the CPU's KV budget.
+(`backends/sizing.py`), which sized from the checkpoint would not fit the CPU's KV budget.
 """
 
 import contextlib

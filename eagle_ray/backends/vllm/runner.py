@@ -10,12 +10,13 @@ work, off the engine thread. vLLM is imported only when an engine is built.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -113,6 +114,22 @@ def build_llm(engine_kwargs: dict[str, Any], multiprocess: bool,
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def serving_engine(engine_kwargs: dict[str, Any]) -> Iterator[Any]:
+    """A plain `vllm.LLM` (no capture; its engine core in its own process), with this platform's
+    defaults under `engine_kwargs` and no tokenizer where the checkpoint has none; shut down on
+    exit. The evaluation serves a draft through it as `vllm serve` would."""
+    from vllm.platforms import current_platform
+
+    kwargs = {**(CPU_DEFAULTS if current_platform.is_cpu() else GPU_DEFAULTS), **engine_kwargs}
+    kwargs.setdefault("skip_tokenizer_init", serves_without_tokenizer(kwargs["model"], kwargs))
+    llm = build_llm(kwargs, multiprocess=True)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 class VLLMTargetRunner(TargetRunner):

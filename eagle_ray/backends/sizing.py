@@ -1,18 +1,17 @@
-"""A job's vLLM engines sized from what the job sends them, not from the checkpoint.
+"""A job's engines sized from what the job sends them, not from the checkpoint.
 
 A Llama-3.1 checkpoint says `max_position_embeddings: 131072`; an engine started with that
 `max_model_len` must fit one 131,072-token request in its KV cache before it serves anything,
 which the CPU default budget (512 MiB) refuses even for a tiny Llama-3.1-shaped target, and on
 a GPU it reserves for a length a 4,096-token job never sends. A job knows its longest
 sequence: training rows of `data.max_length`, and regeneration and evaluation prompts (rows of
-the same data) plus their new tokens. Engines get that, plus the one token vLLM samples,
-unless the job sets `target.vllm_kwargs.max_model_len` itself.
+the same data) plus their new tokens. Engines get that (vLLM: plus the one token it samples,
+unless the job sets `target.vllm_kwargs.max_model_len` itself; `engines.Engine.sized_for`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
+from eagle_ray.backends.engines import ENGINES
 from eagle_ray.config import ConfigError, JobConfig, PoolConfig
 
 
@@ -27,13 +26,9 @@ def longest_sequence(job: JobConfig) -> int:
 
 
 def sized_pool_config(job: JobConfig) -> PoolConfig:
-    """`job.target`, with vLLM engines' `max_model_len` set from `longest_sequence` (+ 1 for the
-    sampled token) unless the job sets it."""
-    target = job.target
-    if target.backend != "vllm" or "max_model_len" in target.vllm_kwargs:
-        return target
-    return dataclasses.replace(target, vllm_kwargs={**target.vllm_kwargs,
-                                                    "max_model_len": longest_sequence(job) + 1})
+    """`job.target` with its engines sized for `longest_sequence` (a factory backend as it is)."""
+    engine = ENGINES.get(job.target.backend)
+    return job.target if engine is None else engine.sized_for(job.target, longest_sequence(job))
 
 
 def check_rows_fit(job: JobConfig, pool_max_length: int | None) -> None:
