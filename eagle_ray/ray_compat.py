@@ -56,3 +56,9 @@ def token_auth_enabled() -> bool:
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
     return is_token_auth_enabled()
+
+
+# Ray's own resource on the head node (every `ray start --head` and KubeRay head advertises it;
+# Ray Serve pins its controller with it): where the pool's controller lives, off the worker
+# nodes an autoscaler reclaims.
+HEAD_NODE_RESOURCE = "node:__internal_head__"

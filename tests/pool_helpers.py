@@ -21,7 +21,9 @@ SYNTHETIC = "eagle_ray.testing:fixed_latency_target"
 TESTS_PATH = os.pathsep.join(str(folder) for folder in [
     Path(__file__).parent, *sorted(p for p in Path(__file__).parent.iterdir()
                                    if p.is_dir() and p.name.isidentifier())])
-TESTS_ON_WORKER_PATH = {"env_vars": {"PYTHONPATH": TESTS_PATH}}
+# The driver's own PYTHONPATH too: a run from another checkout must not load this one's package.
+TESTS_ON_WORKER_PATH = {"env_vars": {"PYTHONPATH": os.pathsep.join(
+    [TESTS_PATH, *filter(None, [os.environ.get("PYTHONPATH")])])}}
 HIDDEN = 8
 VOCAB = 1024
 
@@ -121,3 +123,18 @@ def retries(trainers) -> int:
     re-run's result)."""
     return sum(stats.retries for stats in ray.get([t.stats.remote() for t in trainers],
                                                      timeout=TIMEOUT_S))
+
+
+def replica_indices(config: PoolConfig) -> list[int]:
+    """Indices of the pool's replica actors alive on the cluster: what a test looks for after a
+    shutdown (the pool itself never lists the cluster; its controller knows its replicas)."""
+    return sorted(int(actor["name"][len(config.replica_prefix):])
+                  for actor in ray.util.list_named_actors(all_namespaces=True)
+                  if actor["namespace"] == config.namespace
+                  and actor["name"].startswith(config.replica_prefix))
+
+
+def placement_groups(config: PoolConfig) -> list[str]:
+    """Names of the pool's placement groups on the cluster not yet removed."""
+    return [info["name"] for info in ray.util.placement_group_table().values()
+            if info["name"].startswith(config.replica_prefix) and info["state"] != "REMOVED"]

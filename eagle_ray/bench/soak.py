@@ -144,11 +144,8 @@ class _Clients:
 
 
 def _replica_pids(pool: TargetPool) -> dict[int, int]:
-    pids = {}
-    for name, replica in pool.pool_status().replicas.items():
-        if replica.state is ReplicaState.READY and replica.pid:
-            pids[int(name.rsplit("-", 1)[1])] = replica.pid
-    return pids
+    return {replica.index: replica.pid for replica in pool.pool_status().replicas.values()
+            if replica.state is ReplicaState.READY and replica.pid}
 
 
 def _inject(pool: TargetPool, clients: _Clients, fault: str, rng: random.Random,

@@ -8,22 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import RayActorError
-from ray.util.placement_group import remove_placement_group
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.contract.identity import TargetIdentity
 from eagle_ray.pool.controller import PoolController
 from eagle_ray.pool.placement import replica_bundle
 from eagle_ray.pool.protocol import PoolStatus, ReplicaStartupError
-from eagle_ray.pool.replicas import (
-    kill_replica,
-    pending_placement_groups,
-    placement_groups,
-    replica_indices,
-    start_replica,
-)
 from eagle_ray.pool.router import PoolRouter
 from eagle_ray.pool.states import ReplicaState
+from eagle_ray.ray_compat import HEAD_NODE_RESOURCE
 
 if TYPE_CHECKING:
     from eagle_ray.pool.client import PoolClient
@@ -50,20 +43,19 @@ class TargetPool:
         >>> pool.shutdown()                                             # doctest: +SKIP
     """
 
-    def __init__(self, config: PoolConfig, router: Any) -> None:
+    def __init__(self, config: PoolConfig, router: Any, controller: Any) -> None:
         self.config = config
         self.router = router
-        # Non-detached actors die with their last handle: the pool keeps one per replica (and
-        # one for the autoscaling controller).
-        self._handles: dict[int, Any] = {}
-        self._controller: Any = None
+        # The controller owns the replicas (`pool/controller.py`); a non-detached actor lives as
+        # long as a handle to it does, so the pool keeps this one.
+        self.controller = controller
 
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
     def create(cls, config: PoolConfig, wait: bool = True) -> TargetPool:
-        """Start the router and `config.replicas` replicas (with `autoscaling`: that many
-        within its bounds, and the controller that sizes the pool from then on).
+        """Start the router and the controller, which starts `config.replicas` replicas (with
+        `autoscaling`: that many within its bounds, and sizes the pool from then on).
 
         Connects to Ray first when this process has not (`ray.init` in the pool's namespace).
 
@@ -82,16 +74,16 @@ class TargetPool:
             max_restarts=-1, num_cpus=0, max_concurrency=10_000,
             resources=dict(config.router_resources),
         ).remote(config)
-        pool = cls(config, router)
+        # The replicas' owner lives on the head node: a node an autoscaler reclaims (or the
+        # router's, when it fails) takes no replica down with it.
+        controller = _ControllerActor.options(
+            name=config.controller_name, namespace=config.namespace,
+            lifetime="detached" if config.detached else None, max_restarts=-1, num_cpus=0,
+            resources={HEAD_NODE_RESOURCE: 0.001},
+        ).remote(config, router)
+        pool = cls(config, router, controller)
+        pool._call_controller("members")  # returns once it has started the first replicas
         replicas = config.initial_replicas
-        for _ in range(replicas):
-            pool.add_replica()
-        if config.autoscaling is not None:
-            pool._controller = _ControllerActor.options(
-                name=config.controller_name, namespace=config.namespace,
-                lifetime="detached" if config.detached else None,
-                max_restarts=-1, num_cpus=0, resources=dict(config.router_resources),
-            ).remote(config)
         if wait and replicas:
             try:
                 pool.wait_ready(replicas, config.ready_timeout_s)
@@ -110,9 +102,8 @@ class TargetPool:
         except ValueError:
             raise ValueError(f"no eagle_ray pool named {name!r} in namespace {namespace!r} on "
                              f"this cluster; start one with `eagle-ray serve`") from None
-        pool = cls(PoolConfig(name=name, namespace=namespace), router)
-        pool.config = pool._call_router("pool_config")
-        return pool
+        config = _call(router, "pool_config")
+        return cls(config, router, ray.get_actor(config.controller_name, namespace=namespace))
 
     def add_replica(self) -> int:
         """Reserve a placement group and start one replica in it; returns its index.
@@ -121,23 +112,11 @@ class TargetPool:
         node for it); the rest of the pool keeps serving. On an autoscaled pool the controller
         may later remove it again, as demand says.
         """
-        index = self._call_router("reserve_index")
-        self._handles[index] = start_replica(self.config, index)
-        self._call_router("add_replica", self.config.replica_name(index), self._handles[index])
-        return index
+        return self._call_controller("add_replica")
 
     def remove_replica(self, index: int | None = None, drain: bool = True) -> int:
         """Stop routing to a replica (the newest by default), drain it, then kill it."""
-        indices = replica_indices(self.config)
-        if not indices:
-            raise ValueError("the pool has no replicas to remove")
-        index = max(indices) if index is None else index
-        if not self._call_router("remove_replica", self.config.replica_name(index), drain):
-            logger.warning("replica %d did not drain in time; its micro-batches will be re-run",
-                           index)
-        kill_replica(self.config, index)
-        self._handles.pop(index, None)
-        return index
+        return self._call_controller("remove_replica", index, drain)
 
     def wait_ready(self, min_replicas: int, timeout_s: float = 600.0) -> dict[str, Any]:
         """Block until at least `min_replicas` replicas are ready; returns the status. Replicas
@@ -159,7 +138,7 @@ class TargetPool:
     def _not_ready(self, status: PoolStatus, min_replicas: int, waited_s: float) -> str:
         """Why replicas are not ready: no resources yet, or still starting, or not answering."""
         states = [r.state for r in status.replicas.values()]
-        pending = pending_placement_groups(self.config)
+        pending = self._call_controller("pending_groups")
         reasons = []
         if pending:
             reasons.append(f"no resources yet: {pending} placement group(s) pending, each "
@@ -196,32 +175,32 @@ class TargetPool:
         return PoolClient.connect(self.config.name, self.config.namespace, config)
 
     def shutdown(self) -> None:
-        """Kill the controller, the replicas and the router and remove the placement groups."""
-        try:
-            ray.kill(ray.get_actor(self.config.controller_name, namespace=self.config.namespace),
-                     no_restart=True)
-        except ValueError:
-            pass  # not autoscaled
-        for index in replica_indices(self.config):
-            kill_replica(self.config, index)
-        for pg in placement_groups(self.config):
-            remove_placement_group(pg)
-        self._handles.clear()
+        """Kill the replicas (their owner removes their placement groups), the controller and
+        the router."""
+        self._call_controller("shutdown")
+        ray.kill(self.controller, no_restart=True)
         ray.kill(self.router, no_restart=True)
         logger.info("pool %s shut down", self.config.name)
 
     # ------------------------------------------------------------------ helpers
 
     def _call_router(self, method: str, *args: Any) -> Any:
-        """Call the router, waiting out a restart (up to ROUTER_RESTART_WAIT_S): every router
-        method the pool calls is idempotent, so a call that may have run is safe to repeat."""
-        deadline = time.monotonic() + ROUTER_RESTART_WAIT_S
-        while True:
-            try:
-                return ray.get(getattr(self.router, method).remote(*args))
-            except RayActorError:
-                if time.monotonic() > deadline:
-                    raise
-                logger.info("router of pool %s is restarting; calling %s again",
-                            self.config.name, method)
-                time.sleep(0.5)
+        return _call(self.router, method, *args)
+
+    def _call_controller(self, method: str, *args: Any) -> Any:
+        return _call(self.controller, method, *args)
+
+
+def _call(actor: Any, method: str, *args: Any) -> Any:
+    """Call the pool's router or controller, waiting out a restart (up to
+    ROUTER_RESTART_WAIT_S): every method the pool calls is idempotent, so a call that may have
+    run is safe to repeat."""
+    deadline = time.monotonic() + ROUTER_RESTART_WAIT_S
+    while True:
+        try:
+            return ray.get(getattr(actor, method).remote(*args))
+        except RayActorError:
+            if time.monotonic() > deadline:
+                raise
+            logger.info("%s is restarting; calling %s again", actor, method)
+            time.sleep(0.5)

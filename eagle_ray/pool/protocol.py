@@ -200,6 +200,7 @@ class AutoscalingReport:
 class ReplicaStatus:
     """One replica in the pool's status."""
 
+    index: int  # what `TargetPool.remove_replica` takes
     state: ReplicaState
     outstanding_tokens: int
     outstanding_micro_batches: int

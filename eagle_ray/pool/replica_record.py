@@ -17,6 +17,7 @@ from eagle_ray.ray_compat import actor_id
 class ReplicaRecord:
     """The router's record of one replica (its load, health and history)."""
 
+    index: int
     name: str
     handle: ActorHandle
     state: ReplicaState = ReplicaState.STARTING  # -> READY <-> SUSPECT; DRAINING when removed
@@ -32,7 +33,7 @@ class ReplicaRecord:
     first_served_at: float | None = None
     info: ReplicaInfo | None = None  # its latest answer to `ready()`
     probing: bool = False
-    named: bool = False  # seen among the named actors (a just-created one may not be yet)
+    owned: bool = False  # seen among the controller's replicas (an added one may not be yet)
 
     @property
     def pid(self) -> int | None:
@@ -55,7 +56,7 @@ class ReplicaRecord:
 
     def summary(self) -> ReplicaStatus:
         return ReplicaStatus(
-            state=self.state,
+            index=self.index, state=self.state,
             outstanding_tokens=self.outstanding_tokens,
             outstanding_micro_batches=self.outstanding_micro_batches,
             peak_outstanding_tokens=self.peak_outstanding_tokens,

@@ -1,6 +1,5 @@
-"""Starting, killing and finding a pool's replicas: actors in their own placement groups. Shared
-by `TargetPool` (a person's or a job's calls) and the autoscaling controller, so both change the
-pool the same way; each registers with and drains through the router itself."""
+"""Starting and stopping one replica: an actor in its own placement group. Only the pool's
+controller calls these (`pool/controller.py`, the one owner of a pool's replicas)."""
 
 from __future__ import annotations
 
@@ -27,65 +26,39 @@ def replica_actor_class(concurrency: int):
     return ray.remote(concurrency_groups={"generate": concurrency, "health": 1})(TargetReplica)
 
 
-def start_replica(config: PoolConfig, index: int) -> ActorHandle:
-    """Reserve a placement group and start replica `index` in it; the caller registers it with
-    the router (`add_replica`) and keeps the handle: a non-detached actor dies with its owner.
+def start_replica(config: PoolConfig, index: int) -> tuple[ActorHandle, PlacementGroup]:
+    """Reserve a placement group and start replica `index` in it. The caller keeps the handle
+    (a non-detached actor dies with its owner) and registers it with the router.
 
     A group that does not fit stays pending (an autoscaler may add a node for it); the rest of
     the pool keeps serving.
     """
-    pg = create_replica_placement_group(config, index)
+    group = create_replica_placement_group(config, index)
     handle = replica_actor_class(config.replica_concurrency).options(
         name=config.replica_name(index), namespace=config.namespace,
         lifetime="detached" if config.detached else None,
         max_restarts=-1, max_task_retries=0,
-        **replica_actor_options(config, pg),
+        **replica_actor_options(config, group),
     ).remote(config, index)
-    logger.info("replica %d requested (%s for %d TP rank(s))", index, pg.bundle_specs[0],
+    logger.info("replica %d requested (%s for %d TP rank(s))", index, group.bundle_specs[0],
                 config.tp_size)
-    return handle
+    return handle, group
 
 
-def kill_replica(config: PoolConfig, index: int) -> None:
-    """Kill replica `index` and remove its placement group (either may be gone already); the
-    router should have drained it first (`remove_replica`)."""
+def stop_replica(handle: ActorHandle, group: PlacementGroup | None) -> None:
+    """Kill a replica and remove its placement group (either may be gone already); the router
+    should have drained it first (`PoolRouter.remove_replica`)."""
     try:
-        ray.kill(ray.get_actor(config.replica_name(index), namespace=config.namespace),
-                 no_restart=True)
-    except ValueError:
-        pass
-    try:
-        remove_placement_group(ray.util.get_placement_group(config.placement_group_name(index)))
-    except ValueError:
-        pass
+        ray.kill(handle, no_restart=True)
+    except Exception as e:  # gone already
+        logger.debug("replica already gone: %s", e)
+    if group is not None:
+        try:
+            remove_placement_group(group)
+        except Exception as e:  # removed already (or its node is gone)
+            logger.debug("placement group %s: %s", group.id, e)
 
 
-def live_replica_names(prefix: str, namespace: str) -> list[str]:
-    """Names of a pool's replica actors alive on the cluster (`PoolConfig.replica_prefix`)."""
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == namespace and a["name"].startswith(prefix)]
-
-
-def replica_index(name: str, prefix: str) -> int:
-    return int(name[len(prefix):])
-
-
-def replica_indices(config: PoolConfig) -> list[int]:
-    """Indices of the pool's replicas alive on the cluster (found by actor name)."""
-    return sorted(replica_index(name, config.replica_prefix)
-                  for name in live_replica_names(config.replica_prefix, config.namespace))
-
-
-def pending_placement_groups(config: PoolConfig) -> int:
-    """How many of the pool's placement groups wait for resources the cluster lacks."""
-    prefix = config.replica_prefix
-    return sum(info["name"].startswith(prefix) and info["state"] == "PENDING"
-               for info in ray.util.placement_group_table().values())
-
-
-def placement_groups(config: PoolConfig) -> list[PlacementGroup]:
-    """The pool's placement groups not yet removed."""
-    prefix = config.replica_prefix
-    return [ray.util.get_placement_group(info["name"])
-            for info in ray.util.placement_group_table().values()
-            if info["name"].startswith(prefix) and info["state"] != "REMOVED"]
+def group_pending(group: PlacementGroup) -> bool:
+    """Whether the group still waits for resources the cluster lacks."""
+    return ray.util.placement_group_table(group).get("state") == "PENDING"

@@ -6,8 +6,8 @@ the named replicas itself, passes a lease from a finished micro-batch to its nex
 `acquire_many` or sent with `release_many`), so the router handles a small fraction of a call per
 micro-batch. Results therefore belong to the client, and a router restart loses none of them.
 The router balances by outstanding *tokens* (micro-batches differ in length), caps them per
-replica (backpressure), and keeps a registry of replicas that it can rebuild from their actor
-names after a restart.
+replica (backpressure), and keeps a registry of replicas that it rebuilds from the pool
+controller's (their one owner, `pool/controller.py`) after a restart.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 import psutil
 import ray
 from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
 
 from eagle_ray.config.pool import PoolConfig
 from eagle_ray.pool.leases import GrantedLease, LeaseBook, owner_gone
@@ -38,7 +39,6 @@ from eagle_ray.pool.protocol import (
     RouterProcess,
 )
 from eagle_ray.pool.replica_record import ReplicaRecord
-from eagle_ray.pool.replicas import live_replica_names, replica_index
 from eagle_ray.pool.routing import choose_replica
 from eagle_ray.pool.states import ReplicaState
 from eagle_ray.pool.telemetry import RouterMetrics
@@ -58,11 +58,10 @@ class PoolRouter:
 
     def __init__(self, config: PoolConfig) -> None:
         self._config = config  # the pool's own (`pool_config`: what `TargetPool.connect` gets)
-        self._prefix = config.replica_prefix
         self._namespace = config.namespace
+        self._controller: ActorHandle | None = None  # looked up by name once it exists
         self._replicas: dict[str, ReplicaRecord] = {}  # name -> state
-        self._next_index = 0  # the lowest replica index never handed out (`reserve_index`)
-        self._removed: set[str] = set()  # names dropped on purpose; discovery skips them
+        self._removed: set[str] = set()  # names dropped on purpose; adoption skips them
         self._changed = asyncio.Condition()  # notified whenever capacity or membership changes
         self._leases = 0
         self._book = LeaseBook()  # leases granted and not handed back: whose, until when
@@ -79,30 +78,21 @@ class PoolRouter:
     async def pool_config(self) -> PoolConfig:  # what `TargetPool.connect` attaches with
         return self._config
 
-    async def add_replica(self, name: str, handle: ActorHandle | None = None) -> None:
-        """Called by `TargetPool` right after it creates a replica actor (and by discovery)."""
+    async def add_replica(self, index: int, handle: ActorHandle) -> None:
+        """Called by the controller right after it starts a replica (and by adoption)."""
+        name = self._config.replica_name(index)
         self._removed.discard(name)
         if name not in self._replicas:
-            handle = handle or ray.get_actor(name, namespace=self._namespace)
-            self._replicas[name] = ReplicaRecord(name, handle)
+            self._replicas[name] = ReplicaRecord(index, name, handle)
             self._probe_soon(self._replicas[name])
 
-    async def reserve_index(self) -> int:
-        """A replica index no live replica has and none handed out before: the one allocator
-        `TargetPool.add_replica` and the controller share (a manual add after an autoscale-up
-        gets a fresh name); live names seed it after a restart. A repeat skips an index."""
-        alive = await asyncio.to_thread(live_replica_names, self._prefix, self._namespace)
-        index = max([self._next_index, *(replica_index(name, self._prefix) + 1
-                                         for name in [*alive, *self._replicas])])
-        self._next_index = index + 1
-        return index
+    async def members(self) -> dict[int, ActorHandle]:  # what a restarted controller adopts
+        return {r.index: r.handle for r in self._replicas.values()}
 
     async def remove_replica(self, name: str, drain: bool = True,
                              timeout_s: float = 600.0) -> bool:
-        """Stop assigning to `name`; with `drain`, wait until its leases are released.
-
-        Returns whether it drained fully. The caller kills the actor afterwards.
-        """
+        """Stop assigning to `name`; with `drain`, wait until its leases are released. Returns
+        whether it drained fully; the controller kills the actor afterwards."""
         self._removed.add(name)
         replica = self._replicas.get(name)
         if replica is None:
@@ -120,19 +110,10 @@ class PoolRouter:
         return drained
 
     async def _discover_forever(self) -> None:
-        """Adopt replicas by name (after a router restart) and probe the ones not ready."""
+        """Adopt the controller's replicas and probe the ones not ready."""
         while True:
             try:
-                alive = set(await asyncio.to_thread(live_replica_names, self._prefix,
-                                                    self._namespace))
-                for name in sorted(alive - set(self._replicas) - self._removed):
-                    await self.add_replica(name)
-                for name, replica in list(self._replicas.items()):
-                    if name in alive:
-                        replica.named = True
-                    elif replica.named and replica.state is not ReplicaState.DRAINING:
-                        logger.warning("replica %s is gone; dropping it", name)
-                        self._replicas.pop(name)
+                await self._adopt_members()
                 health_round = time.monotonic() - self._last_health >= HEALTH_PERIOD_S
                 for replica in self._replicas.values():
                     if replica.state in (ReplicaState.STARTING, ReplicaState.SUSPECT) \
@@ -145,6 +126,25 @@ class PoolRouter:
             except Exception:  # keep discovering whatever one round hit
                 logger.exception("replica discovery failed")
             await asyncio.sleep(DISCOVERY_PERIOD_S)
+
+    async def _adopt_members(self) -> None:
+        """The controller's replicas are the pool's: adopt the ones this router lacks, drop the
+        ones the controller no longer has (unless draining: their removal is under way)."""
+        try:
+            self._controller = self._controller or await asyncio.to_thread(
+                ray.get_actor, self._config.controller_name, namespace=self._namespace)
+            members = await self._controller.members.remote()
+        except (ValueError, RayActorError):  # not created yet, or restarting: next round
+            return
+        for index, handle in sorted(members.items()):
+            if self._config.replica_name(index) not in self._removed:
+                await self.add_replica(index, handle)
+        for name, replica in list(self._replicas.items()):
+            if replica.index in members:
+                replica.owned = True
+            elif replica.owned and replica.state is not ReplicaState.DRAINING:
+                logger.warning("replica %s is gone; dropping it", name)
+                self._replicas.pop(name)
 
     def _probe_soon(self, replica: ReplicaRecord) -> None:
         if not replica.probing:

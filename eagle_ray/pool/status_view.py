@@ -25,10 +25,10 @@ def format_status(name: str, status: dict[str, Any]) -> str:
             head += (f"\n  last: {last['replicas_before']} -> {last['replicas_after']} "
                      f"({last['reason']})")
     rows = [COLUMNS] + [(
-        replica_name.rsplit("-", 1)[-1], r["state"], (r["node_id"] or "-")[:8],
+        str(r["index"]), r["state"], (r["node_id"] or "-")[:8],
         f"{r['tokens_per_s']:.0f}", str(r["outstanding_tokens"]), str(r["served_micro_batches"]),
         "-" if r.get("on_node_share") is None else f"{r['on_node_share']:.0%}",
-        str(r["errors"]), str(r["restarts"])) for replica_name, r in replicas.items()]
+        str(r["errors"]), str(r["restarts"])) for r in replicas.values()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
              for row in rows]

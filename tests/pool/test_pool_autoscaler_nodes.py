@@ -22,7 +22,6 @@ from eagle_ray.config.pool import AutoscalingConfig
 
 from pool_helpers import (
     TESTS_ON_WORKER_PATH,
-    TESTS_PATH,
     TIMEOUT_S,
     TrainerStandIn,
     synthetic_pool,
@@ -87,7 +86,7 @@ def test_the_autoscaler_brings_nodes_for_new_replicas_and_reaps_them(autoscaling
                                f"t.scenario({autoscaling_head!r}, {str(tmp_path)!r})"],
         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=TIMEOUT_S,
         env={**os.environ, "RAY_AUTH_MODE": "disabled",
-             "PYTHONPATH": os.pathsep.join([TESTS_PATH, os.environ.get("PYTHONPATH", "")])})
+             "PYTHONPATH": TESTS_ON_WORKER_PATH["env_vars"]["PYTHONPATH"]})
     assert result.returncode == 0, result.stderr[-6000:]
     assert "scenario passed" in result.stdout
 

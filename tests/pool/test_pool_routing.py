@@ -8,6 +8,7 @@ The real-engine pool test is test_pool_vllm.py; router and node outages are in
 test_pool_cluster.py.
 """
 
+import gc
 import threading
 
 import numpy as np
@@ -383,6 +384,35 @@ def test_a_replica_is_drained_with_leases_out_and_an_added_one_serves(gate):
         assert list(pool.status()["replicas"]) == ["scale-replica-0"]
         assert client.stats.served_by[pool.config.replica_name(index)] >= 1, \
             "the added replica served some"
+    finally:
+        pool.shutdown()
+
+
+def test_the_controller_owns_every_replica_and_replaces_them_when_it_restarts():
+    """One owner (pool/controller.py): a replica added through an attached pool outlives that
+    pool object (it was the adding process's before: gone with its handle); and when the
+    controller itself dies and restarts (the replicas of a pool that is not detached die with
+    it), it starts as many in their place, the router drops the dead ones, and the pool serves."""
+    pool = synthetic_pool("owner", replicas=1)
+    try:
+        attached = TargetPool.connect("owner", "eagle_ray_test")
+        index = attached.add_replica()
+        del attached
+        gc.collect()
+        pool.wait_ready(2)
+        assert sorted(ray.get(pool.controller.members.remote(), timeout=TIMEOUT_S)) == [0, index]
+        client = pool.client()
+        inputs = micro_batches(8, seed=21)
+        assert all(is_correct(x, b) for x, b in zip(inputs, client.stream(inputs), strict=True))
+        assert client.stats.served_by.get(pool.config.replica_name(index), 0) >= 1
+        ray.kill(pool.controller, no_restart=False)
+        replaced = [pool.config.replica_name(i) for i in (index + 1, index + 2)]
+        wait_until(lambda: sorted(pool.status()["replicas"]) == replaced
+                   and pool.status()["ready_replicas"] == 2,
+                   what="two new replicas in place of those that died with the controller")
+        inputs = micro_batches(8, seed=22)
+        fresh = pool.client()
+        assert all(is_correct(x, b) for x, b in zip(inputs, fresh.stream(inputs), strict=True))
     finally:
         pool.shutdown()
 

@@ -11,8 +11,9 @@ import ray
 
 from eagle_ray.pool import PoolConfig, ReplicaStartupError, TargetPool
 from eagle_ray.pool.failures import startup_error
-from eagle_ray.pool.replicas import placement_groups, replica_indices
 from eagle_ray.tiny import build_tiny_target
+
+from pool_helpers import placement_groups, replica_indices
 
 pytestmark = pytest.mark.slow
 

@@ -9,12 +9,12 @@ from eagle_ray.pool.status_view import format_status
 
 
 def test_the_status_table_shows_supply_demand_and_each_replica():
-    replica = {"state": "ready", "node_id": "abcdef1234", "tokens_per_s": 1234.4,
+    replica = {"index": 0, "state": "ready", "node_id": "abcdef1234", "tokens_per_s": 1234.4,
                "outstanding_tokens": 512, "served_micro_batches": 40, "on_node_share": 0.975,
                "errors": 1, "restarts": 0}
     status = {"replicas": {"p-replica-0": replica,
-                           "p-replica-1": {**replica, "state": "starting", "node_id": None,
-                                           "on_node_share": None}},
+                           "p-replica-1": {**replica, "index": 1, "state": "starting",
+                                           "node_id": None, "on_node_share": None}},
               "ready_replicas": 1, "leases": 40, "demand_tokens": 900,
               "autoscaling": {"min_replicas": 1, "max_replicas": 4, "desired": 2, "starting": 1,
                               "removing": 0, "scale_ups": 1, "scale_downs": 0,
