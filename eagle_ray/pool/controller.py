@@ -38,7 +38,8 @@ from eagle_ray.pool.telemetry import ControllerMetrics
 logger = logging.getLogger(__name__)
 
 Supply = dict[str, tuple[ReplicaState, int]]  # replicas counted as supply: state, outstanding
-ROUTER_RESTART_WAIT_S = 120.0
+ROUTER_RESTART_WAIT_S = 120.0  # how long a call to the router (or the controller) waits out
+# its restart, here and in `TargetPool`
 
 
 class PoolController:
@@ -65,9 +66,6 @@ class PoolController:
             self._task = asyncio.get_event_loop().create_task(self._autoscale_forever())
 
     # ------------------------------------------------------------------ membership
-
-    async def pool_config(self) -> PoolConfig:
-        return self._config
 
     async def members(self) -> dict[int, ActorHandle]:
         """The replicas the pool has (being removed ones included until they are gone)."""

@@ -11,7 +11,7 @@ from ray.exceptions import RayActorError
 
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.contract.identity import TargetIdentity
-from eagle_ray.pool.controller import PoolController
+from eagle_ray.pool.controller import ROUTER_RESTART_WAIT_S, PoolController
 from eagle_ray.pool.placement import replica_bundle
 from eagle_ray.pool.protocol import PoolStatus, ReplicaStartupError
 from eagle_ray.pool.router import PoolRouter
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ROUTER_RESTART_WAIT_S = 120.0
 
 
 _RouterActor = ray.remote(PoolRouter)
