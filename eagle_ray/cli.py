@@ -370,6 +370,8 @@ def _add_pool_commands(command: Command) -> None:
     bench.add_argument("--conversations", type=int, nargs="+", default=[10_000, 100_000],
                        help="ingest: dataset sizes compared (driver memory must stay flat)")
     bench.add_argument("--device", default="cuda", help="gpu: the device measured (cuda, cpu)")
+    bench.add_argument("--seed", type=int, default=0,
+                       help="job: the seed every arm trains from (one saved run per seed)")
     bench.add_argument("--quick", action="store_true", help="the smallest sizes that run all of "
                        "its code (CI; gpu: tiny shapes instead of Llama-3.1-8B's)")
     bench.add_argument("--save", nargs="?", const="benchmarks/results", default=None,

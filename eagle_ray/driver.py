@@ -79,9 +79,10 @@ def check_aux_layer_ids(config: JobConfig) -> None:
     from transformers import AutoConfig
 
     from eagle_ray.contract.aux_layers import resolve_aux_layer_ids, resolve_eagle3_aux_layer_ids
+    from eagle_ray.draft.kinds import draft_class
 
     layers = AutoConfig.from_pretrained(config.target.model_path).get_text_config()
-    resolve = (resolve_eagle3_aux_layer_ids if config.draft.kind == "eagle3"
+    resolve = (resolve_eagle3_aux_layer_ids if draft_class(config.draft.kind).eagle3_aux_layers
                else resolve_aux_layer_ids)
     try:
         resolve(config.target.aux_layer_ids, layers.num_hidden_layers)

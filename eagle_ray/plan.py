@@ -26,7 +26,7 @@ from eagle_ray.config import JobConfig
 from eagle_ray.contract.supervision import DraftVocab, draft_target
 from eagle_ray.contract.target_batch import NUM_AUX_LAYERS, Eagle3TargetBatch
 from eagle_ray.contract.target_head import TargetHead
-from eagle_ray.draft.kinds import build_draft
+from eagle_ray.draft.kinds import build_draft, draft_class
 from eagle_ray.draft.model import DraftConfig
 from eagle_ray.train.memory import TensorMemoryProbe
 
@@ -295,11 +295,9 @@ def replica_memory(target_config, parameters: int, dtype: torch.dtype, tp_size: 
 
 
 def draft_passes_per_token(job: JobConfig, seq: int) -> float:
-    """Draft forward passes a supervised token costs: one per TTT step (EAGLE-3, P-EAGLE);
-    DFlash: its blocks' slots per row token (`min(anchors, seq) x block_size / seq`)."""
-    if job.draft.kind == "dflash":
-        return min(job.draft.anchors_per_row, seq) * (job.train.ttt_steps + 1) / seq
-    return job.train.ttt_steps
+    """Draft forward passes a supervised token costs (the kind's `passes_per_token`)."""
+    return draft_class(job.draft.kind).passes_per_token(job.train.ttt_steps, seq,
+                                                        job.draft.anchors_per_row)
 
 
 def _fake_batch(rows: int, seq: int, hidden: int, dtype: torch.dtype, aux_layers: int

@@ -98,6 +98,7 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[str, Any], dict[str, Any]]]] = {
     "self-check": ("self_check", "run", lambda path, opts: {"model_path": path}),
     # A draft learns only from a target that says something predictable: the pre-trained one.
     "drafts": ("drafts", "run", lambda path, opts: {"model_path": _pretrained(opts)}),
+    "job": ("job", "run", lambda path, opts: {"seed": opts.seed}),
 }
 
 def _pretrained(options: Any) -> str:
@@ -117,10 +118,10 @@ QUICK: dict[str, dict[str, Any]] = {
     "scaling": {"replica_counts": (1, 2)},
     "transport": {"tokens": 512, "hidden": 256, "repeats": 1},
     "locality": {"count": 4, "tokens": 256, "hidden": 256, "rounds": 1},
-    "autoscale": {"max_replicas": 2, "trace_share": 0.1},
+    "autoscale": {"max_replicas": 2, "trace_share": 0.1, "peak_trainers": 4},
     "train": {"steps": 2, "rounds": 1, "seq": 64},
     "cache": {"micro_batches": 4},
-    "ingest": {"sizes": (200,)},
+    "ingest": {"sizes": (200,), "warm_up": 0},
     "soak": {"minutes": 0.1, "clients": 3, "cycle_faults": True},  # every fault: test_soak
     "gpu": {"small": True},
     "self-check": {"rows": 16, "tiny": False,  # one engine: both targets run the same code
@@ -129,6 +130,9 @@ QUICK: dict[str, dict[str, Any]] = {
     "drafts": {"steps": 4, "ks": (3,), "prompts": 2, "max_new_tokens": 8, "rounds": 1,
                "samples": 16, "kinds": ("eagle3",)},  # every kind runs this code; each kind's
     # own training, export and serving are the job tests' (tests/train/test_train.py)
+    "job": {"prompts": 2, "arms": ("as shipped",),
+            "overrides": ("train.steps=4", "eval.num_speculative_tokens=[3]",
+                          "eval.temperatures=[0.0]", "eval.max_new_tokens=8")},
 }
 
 
@@ -154,6 +158,8 @@ def run(which: str, model_path: str, options: Any) -> Path | None:
         return None
     from eagle_ray.bench import results
 
-    command = ["eagle-ray", "bench", which] + (["--quick"] if quick else [])
+    seed = getattr(options, "seed", 0)
+    command = (["eagle-ray", "bench", which] + (["--quick"] if quick else [])
+               + ([f"--seed {seed}"] if seed else []))
     return results.save(which, records, {"quick": quick, "command": " ".join(command)},
                         Path(save_to))

@@ -90,15 +90,15 @@ def _serve_trace(pool: TargetPool, phases: list[tuple[int, int]]) -> dict[str, f
             "supply_matched_s": sampler.first(rise_at, lambda count, ready, ups: ready >= peak)}
 
 
-def run(max_replicas: int = 4, seconds_per_call: float = 0.05, trace_share: float = 1.0
-        ) -> None:
-    """The trace: 1 trainer x 300 micro-batches, then 8 x 200, then 1 x 300 (`trace_share` of
-    each). A trainer steps in 0.1 s and a replica serves a micro-batch in 0.05 s: one replica
-    keeps two trainers busy, so the eight need four, and one trainer needs one."""
+def run(max_replicas: int = 4, seconds_per_call: float = 0.05, trace_share: float = 1.0,
+        peak_trainers: int = 8) -> None:
+    """The trace: 1 trainer x 300 micro-batches, then `peak_trainers` x 200, then 1 x 300
+    (`trace_share` of each). A trainer steps in 0.1 s and a replica serves a micro-batch in
+    0.05 s: one replica keeps two trainers busy, so eight need four, and one trainer needs one."""
     if not ray.is_initialized():
         ray.init(num_cpus=8, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     phases = [(trainers, max(1, int(count * trace_share)))
-              for trainers, count in ((1, 300), (8, 200), (1, 300))]
+              for trainers, count in ((1, 300), (peak_trainers, 200), (1, 300))]
     results = {}
     for name, autoscaling in (("autoscaled", AutoscalingConfig(
             min_replicas=1, max_replicas=max_replicas,

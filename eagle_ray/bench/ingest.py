@@ -117,8 +117,9 @@ def _ingest(path: Path, model_path: str, vocab_size: int, consumers: int,
 
 
 def run(model_path: str, sizes: tuple[int, ...] = (10_000, 100_000), consumers: int = 2,
-        tokenize_workers: int = 1) -> None:
-    """Emit conversations/s and driver peak RSS per size, their ratio, and the padding ratio."""
+        tokenize_workers: int = 1, warm_up: int = 500) -> None:
+    """Emit conversations/s and driver peak RSS per size, their ratio, and the padding ratio
+    (`warm_up` conversations first, unmeasured: imports, the tokenizer, Ray Data's actors)."""
     from transformers import AutoConfig
 
     vocab_size = AutoConfig.from_pretrained(model_path).vocab_size
@@ -126,9 +127,9 @@ def run(model_path: str, sizes: tuple[int, ...] = (10_000, 100_000), consumers: 
     ray.data.DataContext.get_current().enable_progress_bars = False
     peaks, sample = {}, []
     with tempfile.TemporaryDirectory() as tmp:
-        # Warm-up (imports, the tokenizer, Ray Data's actors) outside the measured runs.
-        _ingest(write_multi_turn_chats(Path(tmp) / "warm-up.jsonl", 500), model_path,
-                vocab_size, consumers, tokenize_workers)
+        if warm_up:
+            _ingest(write_multi_turn_chats(Path(tmp) / "warm-up.jsonl", warm_up), model_path,
+                    vocab_size, consumers, tokenize_workers)
         for size in sizes:
             path = write_multi_turn_chats(Path(tmp) / f"chats-{size}.jsonl", size)
             started = time.perf_counter()

@@ -129,8 +129,16 @@ class DFlashDraft(nn.Module):
     """Frozen target embedding, `fc` + `hidden_norm` over the aux states, `num_layers` Qwen3
     layers (`layers.i`, as vLLM loads them), `norm`, draft-vocab `lm_head`."""
 
-    kind = "dflash"
+    kind, title = "dflash", "DFlash (block drafting)"
     drafts_in_parallel = True
+    reads_mask_token = True
+    eagle3_aux_layers = False  # any number (`dflash_config.target_layer_ids`)
+    vllm_method, vllm_parallel_drafting = "dflash", False  # the method drafts in parallel
+
+    @staticmethod
+    def passes_per_token(ttt_steps: int, seq: int, anchors_per_row: int) -> float:
+        """Its blocks' slots per row token: `min(anchors, seq) x block_size / seq`."""
+        return min(anchors_per_row, seq) * (ttt_steps + 1) / seq
 
     def __init__(self, config: DraftConfig, mask_token_id: int,
                  embedding_weight: torch.Tensor | None = None,

@@ -1,4 +1,6 @@
-"""The draft kinds a job trains (`draft.kind`), built in one place."""
+"""The draft kinds a job trains (`draft.kind`), built in one place. What differs per kind
+outside its model and objective (the mask token, the captured layers it takes, how vLLM serves
+it, its training cost) is its class's attributes; callers ask `draft_class`, never the name."""
 
 from __future__ import annotations
 
@@ -9,12 +11,17 @@ from eagle_ray.draft.dflash import ANCHORS_PER_ROW, DFlashDraft
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft
 from eagle_ray.draft.peagle import PEagleDraft
 
-DRAFT_KINDS = ("eagle3", "peagle", "dflash")
+DRAFT_KINDS: dict[str, type[Eagle3Draft] | type[DFlashDraft]] = {
+    cls.kind: cls for cls in (Eagle3Draft, PEagleDraft, DFlashDraft)}
 
 
-def uses_mask_token(kind: str) -> bool:
-    """Whether a kind's drafted slots read a mask token (all but EAGLE-3's chain)."""
-    return kind != "eagle3"
+def draft_class(kind: str) -> type[Eagle3Draft] | type[DFlashDraft]:
+    """The class of draft `kind` (its attributes say how it is trained and served)."""
+    try:
+        return DRAFT_KINDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown draft kind {kind!r}; choose one of "
+                         f"{', '.join(DRAFT_KINDS)}") from None
 
 
 def build_draft(kind: str, config: DraftConfig, embedding_weight: torch.Tensor | None = None,
@@ -22,12 +29,11 @@ def build_draft(kind: str, config: DraftConfig, embedding_weight: torch.Tensor |
                 decay_gamma: float | None = None) -> nn.Module:
     """A freshly initialised draft of `kind` (`mask_token_id` required where it reads one;
     `anchors_per_row` and `decay_gamma` are DFlash's training settings)."""
-    if kind not in DRAFT_KINDS:
-        raise ValueError(f"unknown draft kind {kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
-    if kind == "eagle3":
-        return Eagle3Draft(config, embedding_weight)
+    cls = draft_class(kind)
+    if not cls.reads_mask_token:
+        return cls(config, embedding_weight)
     if mask_token_id is None:
         raise ValueError(f"a {kind} draft reads a mask token: pass mask_token_id")
-    if kind == "peagle":
-        return PEagleDraft(config, mask_token_id, embedding_weight)
-    return DFlashDraft(config, mask_token_id, embedding_weight, anchors_per_row, decay_gamma)
+    if cls is DFlashDraft:  # its training settings
+        return cls(config, mask_token_id, embedding_weight, anchors_per_row, decay_gamma)
+    return cls(config, mask_token_id, embedding_weight)

@@ -49,8 +49,7 @@ class DraftConfig:
     def from_target(cls, target_config, draft_vocab_size: int,
                     intermediate_size: int | None = None, num_layers: int = 1,
                     num_aux_layers: int = 3) -> DraftConfig:
-        """A draft whose layers are shaped like the target's (one: the usual EAGLE-3 choice),
-        reading `num_aux_layers` of its layers."""
+        """A draft shaped like the target's layers (one: EAGLE-3's usual) reading N of them."""
         t = target_config.get_text_config()
         head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
         rope = getattr(t, "rope_parameters", None) or {}
@@ -267,8 +266,15 @@ class Eagle3Draft(nn.Module):
     produced (`step_inputs`, `next_step_hidden`), one draft forward per drafted token.
     `peagle.PEagleDraft` changes those two hooks and nothing else."""
 
-    kind = "eagle3"
+    kind, title = "eagle3", "EAGLE-3"  # the config's name, a person's
     drafts_in_parallel = False  # one draft forward per drafted token
+    reads_mask_token = False  # its drafted slots read the previous guess
+    eagle3_aux_layers = True  # exactly EAGLE-3's three captured layers (vLLM's eagle3 fc)
+    vllm_method, vllm_parallel_drafting = "eagle3", False  # vLLM never infers the flag
+
+    @staticmethod
+    def passes_per_token(ttt_steps: int, seq: int, anchors_per_row: int) -> float:
+        return ttt_steps  # training's draft forwards per supervised token: one per TTT step
 
     def __init__(self, config: DraftConfig, embedding_weight: torch.Tensor | None = None,
                  attention: AttentionFn = ttt_attention) -> None:
@@ -293,8 +299,7 @@ class Eagle3Draft(nn.Module):
 
         `step_input_ids[k]` `[B, S]` is the token read at step k (`step_inputs`: ground truth in
         training, the previous step's guess when drafting); step 0 reads `fc(aux_hidden_states)`.
-        Aux states may come in the engine's dtype (bf16): under autocast `fc` reads them as
-        they are.
+        Aux states may come in the engine's dtype (bf16): autocast's `fc` reads them as they are.
         """
         batch, seq = step_input_ids[0].shape
         device = aux_hidden_states.device
@@ -323,8 +328,7 @@ class Eagle3Draft(nn.Module):
                         position_mask, depth, self.step_inputs(input_ids, depth))
 
     def step_inputs(self, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        """The tokens each training step reads (`chain_step_inputs`)."""
-        return chain_step_inputs(input_ids, steps)
+        return chain_step_inputs(input_ids, steps)  # the tokens each training step reads
 
     def next_step_hidden(self, out: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         """The hidden state step k + 1 reads: the one step k produced."""

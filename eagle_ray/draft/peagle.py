@@ -27,8 +27,11 @@ class PEagleDraft(Eagle3Draft):
     initialises it) and the mask token's id, which its slots read through the frozen target
     embedding."""
 
-    kind = "peagle"
+    kind, title = "peagle", "P-EAGLE (parallel drafting)"
     drafts_in_parallel = True
+    reads_mask_token = True
+    eagle3_aux_layers = False  # any number: vLLM sizes its fc by `num_aux_hidden_states`
+    vllm_parallel_drafting = True  # an eagle3 draft that vLLM runs in one forward only if told
 
     def __init__(self, config: DraftConfig, mask_token_id: int,
                  embedding_weight: torch.Tensor | None = None,

@@ -46,9 +46,11 @@ class DraftServing:
         draft, in one forward for a P-EAGLE one (`parallel_drafting`, which vLLM never turns on
         by itself for an `eagle3` draft: without it the draft would run as a plain chain), one
         block of 1 + k slots for a DFlash one (the `dflash` method drafts in parallel)."""
-        method = "dflash" if self.kind == "dflash" else "eagle3"
-        spec = {"method": method, "model": self.draft_dir, "num_speculative_tokens": k}
-        if self.kind == "peagle":
+        from eagle_ray.draft.kinds import draft_class
+
+        kind = draft_class(self.kind)
+        spec = {"method": kind.vllm_method, "model": self.draft_dir, "num_speculative_tokens": k}
+        if kind.vllm_parallel_drafting:
             spec["parallel_drafting"] = True
         return spec
 

@@ -213,9 +213,9 @@ def cached_job_data(config: JobConfig, cache: SupervisionCache):
 
 def mask_token_id(config: JobConfig, tokenizer, served: TargetIdentity) -> int | None:
     """The mask token of a P-EAGLE or DFlash draft (None for a draft without one)."""
-    from eagle_ray.draft.kinds import uses_mask_token
+    from eagle_ray.draft.kinds import draft_class
 
-    if not uses_mask_token(config.draft.kind):
+    if not draft_class(config.draft.kind).reads_mask_token:
         return None
     from eagle_ray.draft.peagle import resolve_mask_token_id
 

@@ -10,8 +10,12 @@ from typing import Any
 REPORT_SIZE_PX = (1500, 800)
 TRAINING_ONLY_SIZE_PX = (1500, 440)  # a run that did not evaluate: the training row alone
 DISAGREEMENT = 0.25  # acceptance length between vLLM and the simulation worth a line
-DRAFT_KIND_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE (parallel drafting)",
-                    "dflash": "DFlash (block drafting)"}
+
+
+def _kind_title(kind: str) -> str:
+    from eagle_ray.draft.kinds import draft_class  # the summary needs no torch until here
+
+    return draft_class(kind).title
 
 
 def _ttt_values(metrics: dict[str, Any], name: str) -> list[float]:
@@ -73,7 +77,7 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
     if "draft" in report:  # what parallel drafting is for
         draft = report["draft"]
         seconds = draft.get("seconds_per_verify_step", {})
-        lines.append(f"  draft       {DRAFT_KIND_NAMES.get(draft['kind'])}: per verify step "
+        lines.append(f"  draft       {_kind_title(draft['kind'])}: per verify step "
                      + ", ".join(f"{n} forward(s)" + (f" {1e3 * seconds[k]:.1f} ms"
                                                       if k in seconds else "") + f" at k={k}"
                                  for k, n in draft["forwards_per_verify_step"].items()))
@@ -160,7 +164,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         if summary.get(key):
             lines.append(f"  {label:<12}{summary[key]}")
     if summary.get("serve_command"):
-        kind = DRAFT_KIND_NAMES.get(summary.get("draft_kind", "eagle3"), "EAGLE-3")
+        kind = _kind_title(summary.get("draft_kind", "eagle3"))
         lines += [f"  serve it with vLLM as the target's {kind} draft:",
                   f"    {summary['serve_command']}"]
     return "\n".join(lines)

@@ -29,14 +29,16 @@ def test_result_lines_are_checked_for_their_fields():
 
 # gpu: test_bench_gpu runs it; soak: test_soak runs its quick mode and checks what it reports;
 # engine-start: two engine starts (in-process, multiprocess) and nothing else, which every vLLM
-# test makes (CI time); its arguments are checked below like every benchmark's.
-NOT_RUN_HERE = {"gpu", "soak", "engine-start"}
+# test makes (CI time); job: a whole job per arm (CI time; test_train checks its lines on the
+# main job's summary). Their arguments are checked below like every benchmark's.
+NOT_RUN_HERE = {"gpu", "soak", "engine-start", "job"}
 
 
 def test_every_benchmark_takes_its_quick_arguments(monkeypatch):
     """Each entry names a function that accepts what `eagle-ray bench NAME --quick` passes."""
     monkeypatch.setattr(bench, "_pretrained", lambda options: "/model")  # no kit built here
-    options = argparse.Namespace(conversations=[200], minutes=0.1, device="cpu", arch="llama")
+    options = argparse.Namespace(conversations=[200], minutes=0.1, device="cpu", arch="llama",
+                                 seed=0)
     for which, (module, function, arguments) in BENCHMARKS.items():
         run = getattr(importlib.import_module(f"eagle_ray.bench.{module}"), function)
         kwargs = {**arguments("/model", options), **QUICK.get(which, {})}

@@ -7,6 +7,7 @@ positions), and the job sets no vLLM option: the job sizes its engines
 """
 
 import contextlib
+import copy
 import functools
 import json
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from eagle_ray.bench.job import SHIPPED, summary_lines
 from eagle_ray.config import JobConfig, load_yaml
 from eagle_ray.tiny import tiny_target
 from eagle_ray.train.job import run_job
@@ -169,6 +171,31 @@ def test_trained_draft_beats_an_untrained_one_in_simulation_and_in_vllm(trained)
         assert row["trained"] > row["untrained"] + 0.5, row
         assert row["trained_expected"] < simulated[k]["trained"] - 0.1, (row, simulated[k])
         assert vllm_agrees(measured[k, 1.0], row), (measured[k, 1.0], row)
+
+
+def test_the_job_benchmark_reports_what_the_summary_says(trained):
+    """`eagle-ray bench job` (a job per arm; too long for CI) turns each job's summary into its
+    lines: checked on this job's real summary, against a variant whose vLLM figures halve."""
+    _, summary, _ = trained
+    shipped = summary_lines(SHIPPED, summary, summary)
+    assert not any("ratio" in line for line in shipped), "the baseline compares with nothing"
+    vllm = {(r["num_speculative_tokens"], f"{r['temperature']:g}"): r["mean_acceptance_length"]
+            for r in summary["eval"]["vllm"]}
+    lines = {(line["k"], line["temperature"]): line for line in shipped
+             if line["metric"] == "vllm_acceptance_length"}
+    assert {key: line["value"] for key, line in lines.items()} == pytest.approx(vllm, abs=1e-4)
+    halved = copy.deepcopy(summary)
+    for row in halved["eval"]["vllm"]:
+        row["mean_acceptance_length"] /= 2
+    variant = [line for line in summary_lines("fp8 supervision", halved, summary)
+               if line["metric"] == "vllm_acceptance_length"]
+    assert len(variant) == 4 and all(line["ratio"] == pytest.approx(0.5, abs=1e-3)
+                                     for line in variant)
+    exact = {(line["k"], line["temperature"]): line["value"] for line in shipped
+             if line["metric"] == "exact_acceptance_length"}
+    assert exact[3, "1"] == pytest.approx(next(
+        r["trained_expected"] for r in summary["eval"]["simulated"]
+        if (r["num_speculative_tokens"], r["temperature"]) == (3, 1.0)), abs=1e-4)
 
 
 def test_export_is_a_servable_draft_folder(trained):

@@ -24,7 +24,7 @@ from eagle_ray.train.job import run_job
 from pool_helpers import running_ray, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, CHECKPOINT_EVERY, LOG_EVERY = 40, 10, 5
+STEPS, CHECKPOINT_EVERY, LOG_EVERY = 20, 5, 5
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def test_a_killed_train_worker_resumes_from_its_checkpoint_with_one_record_per_s
         f"target.model_path={tiny_target('llama', pretrained=True)}",
         "target.backend=eagle_ray.testing:gated_hf_target",
         f"target.backend_kwargs={{hold_while: {gate}}}", "target.name=recovery-test",
-        "target.namespace=eagle_ray_test", "data.num_samples=120", "data.eval_samples=4",
+        "target.namespace=eagle_ray_test", "data.num_samples=64", "data.eval_samples=4",
         "regenerate.enabled=false", "eval.enabled=false", f"train.steps={STEPS}",
         f"train.checkpoint_every={CHECKPOINT_EVERY}", f"train.log_every={LOG_EVERY}",
         "train.warmup_steps=5", "train.max_failures=2", f"output_dir={tmp_path / 'run'}",
