@@ -1,14 +1,14 @@
-"""Where vLLM 0.32's CPU build and eagle_ray's simulation disagree on a DFlash draft's acceptance.
+"""vLLM 0.32's CPU build against eagle_ray's simulation on a three-layer DFlash draft, per prompt.
 
-`eagle-ray bench drafts` trains a three-layer DFlash draft on the kit's five target layers; vLLM
-serving it accepts slightly more than the greedy simulation of the same draft (which equals an
-independent computation of vLLM's DFlash forward block by block: tests/draft/test_dflash.py). This
-script trains that draft (the bench's own code, same seed), then measures per held-out prompt:
-the simulation's acceptance length and vLLM's, one prompt at a time and batched, with vLLM's
-default padded drafter batch and, where vLLM accepts it, without it (`disable_padded_drafter_batch`:
-no rejected tokens reach the draft's context).
+`eagle-ray bench drafts` trains a three-layer DFlash draft on the kit's five target layers. As
+shipped, vLLM's CPU build norms every draft layer's context keys with layer 0's `k_norm`
+(eagle_ray/backends/vllm/cpu_dflash.py), so it accepts a different count than the greedy
+simulation of the same draft on a few prompts. This script trains that draft (the bench's own
+code, same seed), then prints per held-out prompt the simulation's acceptance length and vLLM's,
+one prompt at a time and batched:
 
-    python scripts/repro_vllm_dflash_acceptance.py
+    python scripts/repro_vllm_dflash_acceptance.py            # with eagle_ray's fix: equal
+    python scripts/repro_vllm_dflash_acceptance.py --shipped  # vLLM's code as shipped
 
 Every result is one JSON line on stdout. Findings: docs/training.md, "Draft kinds".
 """
@@ -16,10 +16,14 @@ Every result is one JSON line on stdout. Findings: docs/training.md, "Draft kind
 from __future__ import annotations
 
 import json
+import os
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
+
+from eagle_ray.backends.vllm import cpu_dflash
 
 
 def acceptance(outputs, k: int) -> float:
@@ -68,29 +72,24 @@ def main(k: int = 3) -> None:
         params = SamplingParams(max_tokens=32, temperature=0.0, stop_token_ids=list(stops),
                                 detokenize=False)
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        for padded in (True, False):
-            kwargs = DraftServing.for_target(path, folder, "float32").engine_kwargs(k)
-            if not padded:
-                kwargs["speculative_config"]["disable_padded_drafter_batch"] = True
-            try:
-                llm = build_llm({**CPU_DEFAULTS, **kwargs, "max_model_len": 512,
-                                 "per_request_spec_decode_metrics": "summary"}, multiprocess=True)
-            except Exception as e:  # vLLM refusing the setting is the finding
-                print(json.dumps({"measure": "vllm", "padded": padded, "error": str(e)[:300]}),
-                      flush=True)
-                continue
-            try:
-                batched = llm.generate(requests, params, use_tqdm=False)
-                single = [llm.generate([r], params, use_tqdm=False)[0] for r in requests]
-                print(json.dumps({
-                    "measure": "vllm", "padded": padded, "k": k,
-                    "batched": acceptance(batched, k), "all_one_at_a_time": acceptance(single, k),
-                    "per_prompt": [acceptance([o], k) for o in single],
-                    "greedy_unchanged": [list(o.outputs[0].token_ids) for o in batched]
-                    == answers}), flush=True)
-            finally:
-                llm.llm_engine.engine_core.shutdown()
+        kwargs = DraftServing.for_target(path, folder, "float32").engine_kwargs(k)
+        llm = build_llm({**CPU_DEFAULTS, **kwargs, "max_model_len": 512,
+                         "per_request_spec_decode_metrics": "summary"}, multiprocess=True)
+        try:
+            batched = llm.generate(requests, params, use_tqdm=False)
+            single = [llm.generate([r], params, use_tqdm=False)[0] for r in requests]
+            print(json.dumps({
+                "measure": "vllm", "fix": os.environ.get(cpu_dflash.SWITCH, "1") != "0",
+                "k": k, "batched": acceptance(batched, k),
+                "all_one_at_a_time": acceptance(single, k),
+                "per_prompt": [acceptance([o], k) for o in single],
+                "greedy_unchanged": [list(o.outputs[0].token_ids) for o in batched] == answers}),
+                flush=True)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
 
 
 if __name__ == "__main__":
+    if "--shipped" in sys.argv:  # before any vLLM process loads eagle_ray's plugin
+        os.environ[cpu_dflash.SWITCH] = "0"
     main()

@@ -2,6 +2,9 @@
 shipped GPU recipes fit an 80 GB GPU with headroom, and a GPU too small for a trainer or a
 replica is refused (by the plan, before training, and by each worker on its own GPU)."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -188,3 +191,21 @@ def test_the_train_time_gate_stops_a_job_that_does_not_fit(tmp_path):
                       [*overrides, "train.gpu_memory_gib=80"])
     check_job_memory(large)  # the control
     check_worker_memory(large, LLAMA_8B)
+
+
+def test_the_recipe_table_in_training_md_is_the_plans():
+    """docs/training.md's table of the shipped recipes' sizes is `eagle-ray plan`'s output at
+    80 GiB, not figures typed once: a change to the plan or a recipe fails here until the table
+    follows."""
+    doc = Path("docs/training.md").read_text()
+    rows = re.findall(r"^  \| `([\w.-]+)\.yaml`[^|]*\|(.*)\|\s*$", doc, flags=re.M)
+    assert [name for name, _ in rows] == ["llama3.1-8b", "qwen3-8b"], rows
+    for recipe, cells in rows:
+        job = load_yaml(JobConfig, f"examples/{recipe}.yaml", [])
+        plan = plan_job(job, AutoConfig.from_pretrained(f"examples/targets/{RECIPES[recipe]}"),
+                        gpu_memory_gib=80)
+        planned = [f"{plan.trainer['total'] / GIB:.1f} GiB",
+                   f"{plan.trainer['step_peak'] / GIB:.1f} GiB",
+                   f"{plan.replica['total'] / GIB:.0f} GiB ({plan.kv_cache_tokens / 1000:.0f}k)",
+                   f"{plan.trainers_per_replica:.1f}"]
+        assert [cell.strip() for cell in cells.split("|")] == planned, recipe

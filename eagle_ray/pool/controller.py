@@ -6,9 +6,10 @@ handle (a non-detached replica lives as long as the controller does, which lives
 pool's creator) and registers it with the router; removing one asks the router to drain it, then
 kills the actor and removes its group. `TargetPool` (a person's or a job's calls) and the
 autoscaling loop both go through it, so membership has one source of truth: the router adopts
-the controller's replicas (after a router restart too), and the controller adopts the router's
-after its own restart (or, where they died with it, starts as many new ones). Nothing lists the
-cluster.
+the controller's replicas (after a router restart too), and a restarted controller reads which
+replicas the pool had from its record in Ray's key-value store (in the GCS, which outlives both
+actors) and looks each up by the name it gave it: a detached pool's are adopted, the others died
+with it and as many new ones start. Nothing lists the cluster.
 
 With `autoscaling`, every `interval_s` it reads the router's demand (tokens leased and waiting),
 asks `AutoscalingPolicy` how many replicas that needs, and adds replicas -- each in a new
@@ -20,6 +21,7 @@ decision is logged with its reason and counted in the pool's status.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -34,6 +36,7 @@ from eagle_ray.pool.protocol import AutoscalingReport, ScalingEvent
 from eagle_ray.pool.replicas import group_pending, start_replica, stop_replica
 from eagle_ray.pool.states import ReplicaState
 from eagle_ray.pool.telemetry import ControllerMetrics
+from eagle_ray.ray_compat import kv_delete, kv_get, kv_put
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class PoolController:
         self._groups: dict[int, PlacementGroup] = {}
         self._next_index = 0  # the lowest index never handed out
         self._removing: set[int] = set()
+        self._record_key = f"eagle_ray:pool:{config.namespace}:{config.name}:members".encode()
         self._adopted = asyncio.get_event_loop().create_task(self._adopt())
         self._policy = AutoscalingPolicy(config.autoscaling) if config.autoscaling else None
         self._counts = {"scale_ups": 0, "scale_downs": 0, "replicas_added": 0,
@@ -81,8 +85,14 @@ class PoolController:
         index = self._next_index
         self._next_index += 1
         self._replicas[index], self._groups[index] = start_replica(self._config, index)
+        self._record()
         await self._call_router("add_replica", index, self._replicas[index])
         return index
+
+    def _record(self) -> None:
+        """Write which replicas the pool has where a restarted controller finds them."""
+        kv_put(self._record_key, json.dumps({"next_index": self._next_index,
+                                             "replicas": sorted(self._replicas)}).encode())
 
     async def remove_replica(self, index: int | None = None, drain: bool = True) -> int:
         """Stop routing to a replica (the newest by default), drain it, kill it and remove its
@@ -107,6 +117,7 @@ class PoolController:
                 logger.warning("replica %d did not drain in time; its micro-batches will be "
                                "re-run", index)
             stop_replica(self._replicas.pop(index), self._groups.pop(index, None))
+            self._record()
         finally:
             self._removing.discard(index)
 
@@ -119,35 +130,48 @@ class PoolController:
         await self._adopted
         for index in sorted(self._replicas):
             stop_replica(self._replicas.pop(index), self._groups.pop(index, None))
+        kv_delete(self._record_key)
 
     async def _adopt(self) -> None:
         """At creation, start the pool's first replicas (here, so the autoscaling loop never
-        sees a pool still being filled). After a restart, the replicas the router routes to: a
+        sees a pool still being filled). After a restart, the replicas its record names: a
         detached pool's outlive the controller and are adopted with their groups; a pool's that
         is not detached died with the previous controller, so as many new ones start (and the
-        old groups go)."""
+        old groups go). The record, not the router, says which: both may have restarted."""
         if not ray.get_runtime_context().was_current_actor_reconstructed:
             for _ in range(self._config.initial_replicas):
                 await self._start()
             return
-        members = await self._call_router("members")
-        self._next_index = max([0, *(index + 1 for index in members)])
-        for index, handle in members.items():
-            try:  # looked up by the name the controller gave it
-                group = ray.util.get_placement_group(self._config.placement_group_name(index))
-            except ValueError:
-                group = None
-            if self._config.detached:
+        record = json.loads(kv_get(self._record_key) or b'{"next_index": 0, "replicas": []}')
+        self._next_index = record["next_index"]
+        for index in record["replicas"]:
+            handle, group = await asyncio.to_thread(self._look_up, index)
+            if self._config.detached and handle is not None:
                 self._replicas[index] = handle
                 if group is not None:
                     self._groups[index] = group
-            else:
+            elif handle is not None or group is not None:
                 stop_replica(handle, group)
-        if members and not self._config.detached:
+        lost = len(record["replicas"]) - len(self._replicas)
+        if lost:
             logger.warning("the controller restarted: starting %d replicas in place of those "
-                           "that died with it", len(members))
-            for _ in members:
+                           "that died with it", lost)
+            for _ in range(lost):
                 await self._start()
+        self._record()
+
+    def _look_up(self, index: int) -> tuple[ActorHandle | None, PlacementGroup | None]:
+        """Replica `index` and its group, by the names this controller gave them (None: gone)."""
+        try:
+            handle = ray.get_actor(self._config.replica_name(index),
+                                   namespace=self._config.namespace)
+        except ValueError:
+            handle = None
+        try:
+            group = ray.util.get_placement_group(self._config.placement_group_name(index))
+        except ValueError:
+            group = None
+        return handle, group
 
     async def _call_router(self, method: str, *args):
         """Call the router, waiting out its restart: the methods called here are idempotent."""

@@ -67,6 +67,7 @@ class TargetPool:
         """
         if not ray.is_initialized():
             ray.init(namespace=config.namespace)
+        _refuse_a_running_pool(config)
         router = _RouterActor.options(
             name=config.router_name, namespace=config.namespace,
             lifetime="detached" if config.detached else None,
@@ -203,3 +204,17 @@ def _call(actor: Any, method: str, *args: Any) -> Any:
                 raise
             logger.info("%s is restarting; calling %s again", actor, method)
             time.sleep(0.5)
+
+
+def _refuse_a_running_pool(config: PoolConfig) -> None:
+    """A second pool of the same name would fail on Ray's taken-name error half way through
+    creating it; say which pool runs and what to do instead, before anything starts."""
+    try:
+        ray.get_actor(config.router_name, namespace=config.namespace)
+    except ValueError:
+        return
+    raise ValueError(
+        f"a pool named {config.name!r} already runs in namespace {config.namespace!r} on this "
+        f"cluster: use it (`use_shared_pool: true` in a job, `TargetPool.connect`), remove it "
+        f"(`eagle-ray shutdown --name {config.name} --namespace {config.namespace}`), or name "
+        f"this one differently (`target.name`)")

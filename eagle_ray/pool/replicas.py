@@ -45,11 +45,12 @@ def start_replica(config: PoolConfig, index: int) -> tuple[ActorHandle, Placemen
     return handle, group
 
 
-def stop_replica(handle: ActorHandle, group: PlacementGroup | None) -> None:
-    """Kill a replica and remove its placement group (either may be gone already); the router
-    should have drained it first (`PoolRouter.remove_replica`)."""
+def stop_replica(handle: ActorHandle | None, group: PlacementGroup | None) -> None:
+    """Kill a replica and remove its placement group (either may be gone already, or None); the
+    router should have drained it first (`PoolRouter.remove_replica`)."""
     try:
-        ray.kill(handle, no_restart=True)
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
     except Exception as e:  # gone already
         logger.debug("replica already gone: %s", e)
     if group is not None:

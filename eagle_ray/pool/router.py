@@ -86,9 +86,6 @@ class PoolRouter:
             self._replicas[name] = ReplicaRecord(index, name, handle)
             self._probe_soon(self._replicas[name])
 
-    async def members(self) -> dict[int, ActorHandle]:  # what a restarted controller adopts
-        return {r.index: r.handle for r in self._replicas.values()}
-
     async def remove_replica(self, name: str, drain: bool = True,
                              timeout_s: float = 600.0) -> bool:
         """Stop assigning to `name`; with `drain`, wait until its leases are released. Returns

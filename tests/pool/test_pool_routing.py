@@ -9,6 +9,7 @@ test_pool_cluster.py.
 """
 
 import gc
+import os
 import threading
 
 import numpy as np
@@ -21,6 +22,7 @@ from eagle_ray.contract.fp8 import ROUND_TRIP_BOUND
 from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.pool import ClientConfig, MicroBatchFailed, PoolClient, TargetPool
 from eagle_ray.pool.transport import batch_from_numpy, batch_to_numpy
+from eagle_ray.ray_compat import actor_id
 from eagle_ray.testing import synthetic_aux_states
 
 from pool_helpers import (
@@ -415,6 +417,49 @@ def test_the_controller_owns_every_replica_and_replaces_them_when_it_restarts():
         assert all(is_correct(x, b) for x, b in zip(inputs, fresh.stream(inputs), strict=True))
     finally:
         pool.shutdown()
+
+
+def process_id(actor) -> int | None:
+    """The actor's process id (None while it restarts): a new one says the restart happened."""
+    try:
+        return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=5)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+def test_a_detached_pool_whose_router_and_controller_restart_together_keeps_its_replicas():
+    """Neither can adopt from the other then: the controller's record in Ray's key-value store
+    names the replicas, which a detached pool's outlive both, so the same actors serve again."""
+    pool = synthetic_pool("both-restart", replicas=2, detached=True)
+    try:
+        before = {i: actor_id(replica_handle(pool, i)) for i in (0, 1)}
+        pids = {actor: process_id(actor) for actor in (pool.router, pool.controller)}
+        ray.kill(pool.router, no_restart=False)
+        ray.kill(pool.controller, no_restart=False)
+        wait_until(lambda: all(process_id(actor) not in (None, pid)
+                               for actor, pid in pids.items()),
+                   what="the router and the controller restarted")
+        wait_until(lambda: pool.status()["ready_replicas"] == 2,
+                   what="the router routing to the pool's replicas again")
+        assert sorted(pool.status()["replicas"]) == [pool.config.replica_name(i) for i in (0, 1)]
+        assert {i: actor_id(replica_handle(pool, i)) for i in (0, 1)} == before, "adopted"
+        assert sorted(ray.get(pool.controller.members.remote(), timeout=TIMEOUT_S)) == [0, 1]
+        inputs = micro_batches(8, seed=23)
+        client = pool.client()
+        assert all(is_correct(x, b) for x, b in zip(inputs, client.stream(inputs), strict=True))
+        assert pool.add_replica() == 2, "the index counter came back with the record"
+    finally:
+        pool.shutdown()
+
+
+def test_a_second_pool_of_a_running_ones_name_is_refused_and_the_first_keeps_serving(
+        one_replica_pool):
+    with pytest.raises(ValueError, match="a pool named 'one-replica' already runs .* eagle-ray "
+                                         "shutdown --name one-replica"):
+        synthetic_pool("one-replica", replicas=1)
+    client = one_replica_pool.client()
+    inputs = micro_batches(2, seed=24)
+    assert all(is_correct(x, b) for x, b in zip(inputs, client.stream(inputs), strict=True))
 
 
 def test_results_read_from_the_object_store_are_read_only_views_of_the_contract(one_replica_pool):

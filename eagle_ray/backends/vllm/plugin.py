@@ -8,8 +8,9 @@ aux_hidden_state_outputs was requested"). `register` -- the `vllm.general_plugin
 this package installs, so every vLLM process of an environment with eagle_ray in it loads it,
 including a `vllm serve` of an exported draft -- registers the subclass below in its place, and
 does nothing once vLLM's own class supports EAGLE-3. Equal to the HF reference on every slot:
-tests/backends/test_vllm_target.py. It also fixes the CPU build's rejection-sampler kernel
-(`cpu_sampling`), which must be in place before the worker registers its kernel overrides.
+tests/backends/test_vllm_target.py. It also fixes two defects of the CPU build: the
+rejection-sampler kernel (`cpu_sampling`), which must be in place before the worker registers
+its kernel overrides, and the DFlash model's context-key norm (`cpu_dflash`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.models.mixtral import MixtralForCausalLM
 
-    from eagle_ray.backends.vllm import cpu_sampling
+    from eagle_ray.backends.vllm import cpu_dflash, cpu_sampling
 
     cpu_sampling.install()
+    cpu_dflash.install()
 
     if not getattr(MixtralForCausalLM, "supports_eagle3", False):
         ModelRegistry.register_model(
