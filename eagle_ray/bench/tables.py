@@ -136,7 +136,10 @@ def pivot(table: list[dict[str, Any]]) -> tuple[list[str], list[tuple], dict]:
     for row in table:
         line = tuple(row["parameters"].get(k) for k in keys)
         baseline = row["parameters"].get("baseline")
-        column = (row["metric"], baseline if len(baselines[row["metric"]]) > 1 else None)
+        # A column per baseline where a metric has several; rows without one (the baseline's
+        # own) share the column of the metric's only named baseline.
+        column = (row["metric"], baseline if len(baselines[row["metric"]] - {None}) > 1
+                  else None)
         if line not in lines:
             lines.append(line)
         cells[line, column] = row
