@@ -335,7 +335,7 @@ def test_a_dflash_draft_trains_exports_and_vllm_drafts_a_block_with_it(local_ray
     output_dir = tmp_path / "dflash"
     summary = run_job(job(output_dir, "draft.kind=dflash", "draft.num_layers=2",
                           "target.aux_layer_ids=[1,2,3,4,5]",
-                          "run_name=dflash-test", "train.ttt_steps=3", "train.workers=1",
+                          "run_name=dflash-test", "train.ttt_steps=3",
                           "train.loggers=[]", "eval.num_speculative_tokens=[3]",
                           "eval.temperatures=[0.0]"))
     config = json.loads((output_dir / "draft" / "config.json").read_text())
