@@ -60,7 +60,7 @@ def summary_lines(arm: str, summary: dict[str, Any], shipped: dict[str, Any] | N
               "unit": "nats", "arm": arm},
              {"bench": "job", "metric": "final_accuracy_step_0",
               "value": round(final["acc_0"], 4), "unit": "share", "arm": arm}]
-    baseline = _acceptance(shipped) if shipped is not None and shipped is not summary else {}
+    baseline = _acceptance(shipped) if shipped is not None and arm != SHIPPED else {}
     for (k, t), figures in _acceptance(summary).items():
         for metric, value in figures.items():
             line = {"bench": "job", "metric": metric, "value": round(value, 4),

@@ -141,6 +141,7 @@ class PoolController:
         if not ray.get_runtime_context().was_current_actor_reconstructed:
             for _ in range(self._config.initial_replicas):
                 await self._start()
+            self._record()  # also when it starts none: no earlier pool's record stays
             return
         record = json.loads(kv_get(self._record_key) or b'{"next_index": 0, "replicas": []}')
         self._next_index = record["next_index"]
