@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -32,6 +31,7 @@ from eagle_ray.draft.model import (
     RMSNorm,
     feature_projection,
     frozen_embedding,
+    grouped_query_attention,
     rotate,
 )
 
@@ -73,9 +73,9 @@ class DFlashAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(batch, length, c.num_attention_heads, c.head_dim))
         q = rotate(q.transpose(1, 2), positions, c.rope_theta)
         k, v = self.keys_values(x, positions)
-        out = F.scaled_dot_product_attention(
+        out = grouped_query_attention(
             q, torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2),
-            attn_mask=mask, scale=1.0 / math.sqrt(c.head_dim), enable_gqa=True)
+            scale=1.0 / math.sqrt(c.head_dim), mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 

@@ -91,14 +91,46 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+HALF_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def attention_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype an attention call computes in: autocast's where it is on (SDPA is on its
+    lower-precision list), else the query's."""
+    device = q.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+
+
+def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                            scale: float, is_causal: bool = False,
+                            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`scaled_dot_product_attention` over grouped-query K/V `[B, h_kv, L, D]`, always in a
+    form one of CUDA's memory-efficient kernels takes -- every draft attention calls it.
+
+    Flash attention takes grouped-query heads but no explicit mask and only fp16 / bf16; the
+    memory-efficient kernel takes a mask and fp32 but not grouped-query heads. Anything else
+    falls to the math kernel, which materialises fp32 scores `[B, h, Lq, Lk]` (12 GiB per layer
+    for the 8B DFlash recipe). So where flash cannot take the call, the key / value heads are
+    repeated to the query heads (`[B, h, L, D]`: small beside the scores it avoids). The CPU's
+    flash kernel takes all of these, so only this rule (tests/draft/test_attention_kernels.py)
+    keeps a CUDA run off the math kernel; `eagle-ray plan` measures the kernel CUDA picks
+    (`train.memory.cuda_attention_kernels`).
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and (mask is not None or attention_dtype(q) not in HALF_PRECISION):
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                          scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                   scale: float) -> torch.Tensor:
     """TTT attention without a `[S, S]` score matrix: memory linear in S for a fixed step count.
 
     q: [B, h, S, D]; keys / values: one `[B, h_kv, S, D]` per TTT step so far (grouped-query
-    K/V are never copied per head). The query at slot t attends to step 0's keys at slots <= t
-    and to step j's key at slot t (j >= 1), in one softmax -- what `reference_ttt_attention`
-    computes with materialised scores.
+    K/V are copied per head only where a CUDA kernel needs it: `grouped_query_attention`). The
+    query at slot t attends to step 0's keys at slots <= t and to step j's key at slot t
+    (j >= 1), in one softmax -- what `reference_ttt_attention` computes with materialised scores.
 
     Step 0's causal part goes through `scaled_dot_product_attention` (flash / memory-efficient
     kernels on GPU and CPU). The diagonal keys join its softmax through one extra "sink" key,
@@ -111,8 +143,7 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     """
     k0, v0 = keys[0], values[0]
     if len(keys) == 1:
-        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale,
-                                              enable_gqa=True)
+        return grouped_query_attention(q, k0, v0, scale=scale, is_causal=True)
     batch, heads, seq, dim = q.shape
     kv_heads = k0.shape[1]
     grouped = q.view(batch, kv_heads, heads // kv_heads, seq, dim)
@@ -130,8 +161,8 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
                        F.pad(k0, (0, 2 + spare))], dim=2)
     v_ext = torch.cat([sink.index_fill(-1, _range(dim, dim + 1, q), 1),
                        F.pad(v0, (0, 2 + spare))], dim=2)
-    out = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, is_causal=True, scale=scale,
-                                         enable_gqa=True).narrow(2, 1, seq)
+    out = grouped_query_attention(q_ext, k_ext, v_ext, scale=scale, is_causal=True
+                                  ).narrow(2, 1, seq)
     diagonal_weight = out.narrow(-1, dim, 1)
     return out.narrow(-1, 0, dim) + diagonal_weight * diagonal.view(batch, heads, seq, dim)
 
