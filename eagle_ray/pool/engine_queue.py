@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from eagle_ray.contract.target_batch import Eagle3TargetBatch
-from eagle_ray.pool.failures import FailureKind, classify
+from eagle_ray.pool.failures import FailureKind, classify, free_memory
 from eagle_ray.pool.protocol import EngineStats, MicroBatchOutOfMemory
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids, attention, loss [B, S]
@@ -72,7 +72,9 @@ class EngineQueue:
     of memory is run again micro-batch by micro-batch, so only the one too large fails (with
     `MicroBatchOutOfMemory`). `stats` counts engine calls, the micro-batches they carried,
     the calls that merged several, the jobs waiting or inside now, and the seconds each stage
-    worked (`engine_s`, `host_s`: the engine's share of wall time is its utilisation).
+    worked (`engine_s`, `host_s`: the engine's share of wall time is its utilisation). Out
+    of memory in the host stage is handled as in the engine stage (memory freed, no engine
+    check).
     """
 
     def __init__(self, run_engine: Callable[[MicroBatch], Any],
@@ -160,30 +162,52 @@ class EngineQueue:
         output = self._timed(lambda: self._run_guarded(lambda: self._run_engine(merged)),
                              "engine_s")
         if isinstance(output, BaseException) and classify(output) is FailureKind.OUT_OF_MEMORY:
-            if len(jobs) > 1:  # each alone, first in line: only the one too large fails
-                with self._wake:
-                    for job in reversed(jobs):
-                        job.alone = True
-                        self._jobs.appendleft(job)
-            else:  # its answer first; then the replica frees memory and checks its engine
-                self._fail(jobs, MicroBatchOutOfMemory.of(output, *merged[0].shape,
-                                                          int(merged[1].sum())))
-            self._recover()
+            self._out_of_memory(jobs, output)  # its answer first; then the replica frees
+            self._recover()  # memory and checks its engine
             return
         if isinstance(output, BaseException):
             self._fail(jobs, output)
         elif self._finished is None:
-            self._settle(jobs, lambda: self._finish_parts(output, parts), "host_s")
+            self._host_stage(_Finished(jobs, parts, output))
         else:
             self._finished.put(_Finished(jobs, parts, output))
+
+    def _out_of_memory(self, jobs: list[_Job], error: BaseException) -> None:
+        """A stage ran out of memory on `jobs`' call: merged micro-batches run again each
+        alone, first in line, so only the one too large fails; a lone one fails with
+        `MicroBatchOutOfMemory` (its size, what to change)."""
+        if len(jobs) == 1:
+            ids, attention, _ = jobs[0].micro_batch
+            self._fail(jobs, MicroBatchOutOfMemory.of(error, *ids.shape, int(attention.sum())))
+            return
+        with self._wake:
+            for job in reversed(jobs):
+                job.alone = True
+                self._jobs.appendleft(job)
+            self._wake.notify()  # the host thread re-queues while the engine thread may wait
 
     def _host_loop(self) -> None:
         while True:
             finished = self._finished.get()
             self._finished.task_done()  # the engine may start its next call now
-            self._settle(finished.jobs,
-                         lambda f=finished: self._finish_parts(f.engine_output, f.parts),
-                         "host_s")
+            self._host_stage(finished)
+
+    def _host_stage(self, finished: _Finished) -> None:
+        """Supervision for each micro-batch of a finished engine call. Out of memory here (the
+        self-check's logits, head decoding, host buffers: with vLLM's KV cache allocated up
+        front, the likelier place) is the micro-batches' error as in the engine stage; the
+        memory is freed, the engine needs no check."""
+        results = self._timed(lambda: self._finish_parts(finished.engine_output, finished.parts),
+                              "host_s")
+        if not isinstance(results, BaseException):
+            for job, result in zip(finished.jobs, results, strict=True):
+                job.future.set_result(result)
+        elif classify(results) is FailureKind.OUT_OF_MEMORY:
+            finished.engine_output = None  # and the frames of the error, which hold tensors
+            free_memory(results)
+            self._out_of_memory(finished.jobs, results)
+        else:
+            self._fail(finished.jobs, results)
 
     def _finish_parts(self, engine_output: Any, parts: list[MicroBatch]
                       ) -> list[Eagle3TargetBatch]:

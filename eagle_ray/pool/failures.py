@@ -14,7 +14,10 @@
 from __future__ import annotations
 
 import enum
+import gc
 import re
+
+import torch
 
 from eagle_ray.backends.base import SelfCheckError
 from eagle_ray.pool.protocol import MicroBatchOutOfMemory
@@ -72,6 +75,18 @@ OUT_OF_MEMORY_ATTEMPTS = 2  # a micro-batch that ran out of memory is tried once
 # torch's and Ray's out-of-memory errors by name (torch.OutOfMemoryError, the CUDA one,
 # ray.exceptions.OutOfMemoryError), and the words CUDA, vLLM and Ray's memory monitor use.
 _OUT_OF_MEMORY = re.compile(r"out[ _]of[ _]memory|OutOfMemory|memory pressure", re.IGNORECASE)
+def free_memory(error: BaseException | None = None) -> None:
+    """Give back what a call that ran out of memory took: its garbage now, and the caching
+    allocator's free blocks to the device (the next call may need them in other sizes).
+    `error`: the out-of-memory error, whose traceback is dropped first (its frames hold the
+    call's tensors)."""
+    if error is not None:
+        error.__traceback__ = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether `error` says memory ran out (its type or its words)."""
     return isinstance(error, MemoryError | MicroBatchOutOfMemory) or bool(

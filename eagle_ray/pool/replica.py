@@ -8,7 +8,6 @@ finishes each engine call's output on another while the engine runs the next
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import threading
@@ -24,16 +23,21 @@ from eagle_ray.backends import build_backend, resolve_model_path
 from eagle_ray.backends.base import Sampling
 from eagle_ray.config.pool import PoolConfig
 from eagle_ray.contract.identity import TargetIdentity
-from eagle_ray.contract.target_batch import validate_micro_batch, validate_prompts
-from eagle_ray.pool.engine_queue import EngineQueue
+from eagle_ray.contract.target_batch import (
+    Eagle3TargetBatch,
+    validate_micro_batch,
+    validate_prompts,
+)
+from eagle_ray.pool.engine_queue import EngineQueue, MicroBatch
 from eagle_ray.pool.failures import (
     DEATHS_WHILE_STARTING,
     FailureKind,
     StartAttempts,
     classify,
+    free_memory,
     startup_error,
 )
-from eagle_ray.pool.protocol import ReplicaInfo
+from eagle_ray.pool.protocol import MicroBatchOutOfMemory, ReplicaInfo
 from eagle_ray.pool.transport import Payload, batch_to_numpy
 
 logger = logging.getLogger(__name__)
@@ -61,6 +65,21 @@ def micro_batch_tensors(inputs: Any) -> list[torch.Tensor]:
     except Exception as e:  # object arrays, strings, ragged lists
         raise TypeError(f"micro-batch arrays must be numeric, got "
                         f"{[type(a).__name__ for a in inputs]}: {e}") from e
+
+
+def encode_answer(batch: Eagle3TargetBatch, encoding_dtype: str, micro_batch: MicroBatch
+                  ) -> Payload | MicroBatchOutOfMemory:
+    """`batch` as arrays for the object store (fp8: quantised on the engine's device, off the
+    engine thread), or, where that runs out of memory, the micro-batch's own
+    `MicroBatchOutOfMemory` (memory freed): the other micro-batches of the call go on."""
+    try:
+        return batch_to_numpy(batch, encoding_dtype)
+    except Exception as e:
+        if classify(e) is not FailureKind.OUT_OF_MEMORY:
+            raise
+        free_memory(e)
+        ids, attention, _ = micro_batch
+        return MicroBatchOutOfMemory.of(e, *ids.shape, int(attention.sum()))
 
 
 class TargetReplica:
@@ -166,8 +185,9 @@ class TargetReplica:
         for index, answer in zip(checked, self.engine.generate_many(list(checked.values())),
                                  strict=True):
             if not isinstance(answer, BaseException):
+                answer = encode_answer(answer, self.encoding_dtype, checked[index])
+            if not isinstance(answer, BaseException):
                 self._count(int(checked[index][1].sum()))
-                answer = batch_to_numpy(answer, self.encoding_dtype)  # fp8: off the engine
             answers[index] = answer
         return answers
 
@@ -195,9 +215,7 @@ class TargetReplica:
         small micro-batch correctly (vLLM's self-check runs on it). An engine broken by it is
         rebuilt in this process (`engine_restarts`); the waiting micro-batches then run on the
         new one. One that cannot be rebuilt ends the process (Ray restarts the replica)."""
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_memory()
         if self._engine_works():
             logger.warning("replica %d: a micro-batch ran out of memory; memory freed, the "
                            "engine still serves", self.index)
