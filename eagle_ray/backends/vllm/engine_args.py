@@ -12,6 +12,12 @@ from typing import Any
 OWNED_KWARGS = ("model", "speculative_config", "kv_transfer_config", "skip_tokenizer_init")
 # The executor of TP > 1: the replica holds its GPUs and vLLM's ranks are its worker processes.
 TP_EXECUTOR = "mp"
+# Compilation passes that rewrite the graph nodes the aux states are read from, and that no run
+# has shown to keep the capture equal to HF's: a capture engine turns them off unless the user
+# sets them. vLLM 0.32 turns the fused all-reduce + RMSNorm pass on by itself where TP > 1 on
+# Hopper / Blackwell with flashinfer (`vllm/config/vllm.py`, `enable_allreduce_rms_fusion`);
+# CPU engines never run it, so nothing here has seen the capture under it.
+UNVERIFIED_PASSES: dict[str, bool] = {"fuse_allreduce_rms": False}
 
 
 def check_vllm_kwargs(vllm_kwargs: Mapping[str, Any], tp_size: int) -> None:
@@ -33,3 +39,30 @@ def check_vllm_kwargs(vllm_kwargs: Mapping[str, Any], tp_size: int) -> None:
                          f"tensor parallelism the replica holds its GPUs and vLLM runs its "
                          f"ranks as the replica's worker processes ({TP_EXECUTOR!r}, "
                          f"docs/architecture.md, \"Tensor parallelism\"); remove the key")
+
+
+def capture_compilation_config(compilation_config: Any) -> Any:
+    """`vllm_kwargs["compilation_config"]` (None, a mode number, a dict or vLLM's
+    `CompilationConfig`) for a capture engine: the user's, with `UNVERIFIED_PASSES` turned off
+    wherever the user left them to vLLM's defaults (a value the user set wins: vLLM's kwargs
+    pass through)."""
+    if compilation_config is None:
+        compilation_config = {}
+    if isinstance(compilation_config, int):
+        compilation_config = {"mode": compilation_config}
+    if not isinstance(compilation_config, Mapping):  # a CompilationConfig
+        _turn_off_unverified(compilation_config.pass_config)
+        return compilation_config
+    compilation_config = dict(compilation_config)
+    passes = compilation_config.get("pass_config") or {}
+    if isinstance(passes, Mapping):
+        compilation_config["pass_config"] = {**UNVERIFIED_PASSES, **passes}
+    else:  # a PassConfig
+        _turn_off_unverified(passes)
+    return compilation_config
+
+
+def _turn_off_unverified(pass_config: Any) -> None:
+    for name, value in UNVERIFIED_PASSES.items():
+        if getattr(pass_config, name) is None:  # None: vLLM decides
+            setattr(pass_config, name, value)

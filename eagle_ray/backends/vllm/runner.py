@@ -22,7 +22,11 @@ from typing import Any
 import torch
 
 from eagle_ray.backends.base import RunnerOutput, Sampling, TargetRunner
-from eagle_ray.backends.vllm.engine_args import TP_EXECUTOR, check_vllm_kwargs
+from eagle_ray.backends.vllm.engine_args import (
+    TP_EXECUTOR,
+    capture_compilation_config,
+    check_vllm_kwargs,
+)
 from eagle_ray.backends.vllm.handoff import (
     CAPTURE_ARG,
     PARAMS_KEY,
@@ -198,6 +202,8 @@ class VLLMTargetRunner(TargetRunner):
             object_store_bytes=object_store_bytes)
 
         engine_kwargs = {**(CPU_DEFAULTS if self.is_cpu else GPU_DEFAULTS), **vllm_kwargs}
+        engine_kwargs["compilation_config"] = capture_compilation_config(
+            engine_kwargs.get("compilation_config"))
         if tp_size > 1:
             # The ranks run as this process's workers (in a pool: the replica holds their GPUs);
             # inside a Ray placement group vLLM would pick its Ray executor by itself.
