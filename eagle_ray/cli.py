@@ -304,8 +304,9 @@ def _add_job_commands(command: Command) -> None:
     plan.add_argument("--target-config", help="the target's config.json or folder, when "
                       "target.model_path is not readable here (e.g. examples/targets/...)")
     plan.add_argument("--gpu-memory-gib", type=float, default=None,
-                      help="GPU memory (GiB); default: train.gpu_memory_gib, else this "
-                           "machine's GPU, else an assumed 80")
+                      help="plan for GPUs of this memory (GiB), whatever this machine has; "
+                           "default: this machine's GPU, else train.gpu_memory_gib, else an "
+                           "assumed 80")
     plan.add_argument("--trainer-budget-gib", type=float, default=None,
                       help="what a trainer worker may use; default: 80%% of the GPU")
     plan.add_argument("--json", action="store_true", help="one JSON object instead of a table")

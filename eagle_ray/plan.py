@@ -4,11 +4,12 @@ The trainer's activation peak is not a formula: one training step (target-head d
 forward and backward) runs at the recipe's full shape on fake tensors (`FakeTensorMode`: shapes,
 no memory, no compute; about a second at 8B) and `TensorMemoryProbe` counts what it allocates.
 Weights, gradients and optimizer state are counted from the modules themselves. The replica side
-reads the target's config: weights, and the KV cache vLLM gets from `gpu_memory_utilization`.
+reads the target's config: weights, vLLM's reserves (assumed: `backends.sizing`), and the KV
+cache `gpu_memory_utilization` leaves, in tokens of the target's KV plus the captured states.
 Rates are estimates from FLOPs at a stated model-FLOPs utilisation, until a GPU benchmark
-measures them. The GPU's memory is the one present (`torch.cuda.mem_get_info`), else
-`--gpu-memory-gib` / `train.gpu_memory_gib`, else an assumed 80 GiB that the output says is
-assumed: a job planned for an 80 GB card must not pass on a 24 GB one.
+measures them. The GPU's memory is `--gpu-memory-gib` when `eagle-ray plan` is given it, else
+the one present (`torch.cuda.mem_get_info`), else `train.gpu_memory_gib`, else an assumed 80 GiB
+that the output says is assumed: a job planned for an 80 GB card must not pass on a 24 GB one.
 
 Example:
     $ eagle-ray plan --config examples/llama3.1-8b.yaml --target-config llama-3.1-8b/config.json
@@ -22,13 +23,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagle_ray.config import JobConfig
+from eagle_ray.backends.engines import ENGINES
+from eagle_ray.backends.sizing import (
+    engine_reserves,
+    gpu_engine_kwargs,
+    kv_cache_bytes_per_token,
+    reserve_assumptions,
+    sized_pool_config,
+)
+from eagle_ray.config import JobConfig, PoolConfig
 from eagle_ray.contract.supervision import DraftVocab, draft_target
 from eagle_ray.contract.target_batch import NUM_AUX_LAYERS, Eagle3TargetBatch
 from eagle_ray.contract.target_head import TargetHead
 from eagle_ray.draft.kinds import build_draft, draft_class
 from eagle_ray.draft.model import DraftConfig
-from eagle_ray.train.memory import TensorMemoryProbe
+from eagle_ray.train.memory import TensorMemoryProbe, cuda_attention_kernels
 
 GIB = 2**30
 # Stated assumptions (no GPU measurement yet): what a CUDA context and the caching allocator's
@@ -51,6 +60,7 @@ class Plan:
     trainer: dict[str, int]  # part -> bytes; "total" included
     replica: dict[str, int]  # part -> bytes (per tensor-parallel rank); "total" included
     kv_cache_tokens: int  # tokens the replica's KV cache holds
+    kv_cache_bytes_per_token: dict[str, int]  # per rank: attention, captured_states, total
     supervision_bytes_per_token: int
     replica_tokens_per_s: float  # estimated (FLOPs at `mfu`)
     trainer_tokens_per_s: float  # estimated (FLOPs at `mfu`)
@@ -101,13 +111,14 @@ class Plan:
 
 
 def gpu_memory(configured_gib: float | None = None) -> tuple[float, str]:
-    """(GiB of one GPU, where the figure comes from): `configured_gib` when given, else the
-    GPU present here, else the assumed 80 GiB."""
-    if configured_gib is not None:
-        return float(configured_gib), "configured"
+    """(GiB of one GPU, where the figure comes from): the GPU present here, else
+    `configured_gib`, else the assumed 80 GiB. A GPU present wins: a worker's check on a 24 GiB
+    card must not pass on a figure configured for 80."""
     if torch.cuda.is_available():
         _, total = torch.cuda.mem_get_info()
         return total / GIB, f"measured ({torch.cuda.get_device_name()})"
+    if configured_gib is not None:
+        return float(configured_gib), "configured: no GPU here"
     return ASSUMED_GPU_MEMORY_GIB, ("assumed: no GPU here; pass --gpu-memory-gib or set "
                                     "train.gpu_memory_gib")
 
@@ -115,9 +126,11 @@ def gpu_memory(configured_gib: float | None = None) -> tuple[float, str]:
 def plan_job(job: JobConfig, target_config, gpu_memory_gib: float | None = None,
              mfu: float = DEFAULT_MFU, gpu_tflops: float = DEFAULT_GPU_TFLOPS) -> Plan:
     """The plan for `job` with the target described by `target_config` (a transformers
-    config) on GPUs of `gpu_memory_gib` (None: `gpu_memory(job.train.gpu_memory_gib)`)."""
-    gpu_memory_gib, memory_source = gpu_memory(
-        job.train.gpu_memory_gib if gpu_memory_gib is None else gpu_memory_gib)
+    config) on GPUs of `gpu_memory_gib` (`eagle-ray plan --gpu-memory-gib`: planning for GPUs
+    other than this machine's; None: `gpu_memory(job.train.gpu_memory_gib)`)."""
+    gpu_memory_gib, memory_source = (gpu_memory(job.train.gpu_memory_gib)
+                                     if gpu_memory_gib is None
+                                     else (float(gpu_memory_gib), "given"))
     text = target_config.get_text_config()
     aux_layers = len(job.target.aux_layer_ids or ()) or NUM_AUX_LAYERS
     draft_config = DraftConfig.from_target(target_config, min(job.data.draft_vocab_size,
@@ -132,9 +145,10 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float | None = None,
                              ddp=job.train.workers > 1, kind=job.draft.kind,
                              anchors_per_row=job.draft.anchors_per_row)
     parameters, active_parameters = parameter_counts(target_config)
-    replica, kv_tokens = replica_memory(target_config, parameters, target_dtype,
-                                        job.target.tp_size, job.target.vllm_kwargs,
-                                        gpu_memory_gib)
+    # The vLLM backend captures the final hidden state beside the aux layers
+    # (`vllm_capture_layer_ids`).
+    replica, kv_per_token = replica_memory(target_config, parameters, target_dtype,
+                                           job.target, gpu_memory_gib, aux_layers + 1)
     hidden = text.hidden_size
     if job.target.encoding_dtype == "fp8":
         per_token = (aux_layers + 1) * hidden + 4 * (aux_layers + 1)
@@ -150,7 +164,9 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float | None = None,
     trainer_rate = flops / (6 * draft_trainable * draft_passes_per_token(job, seq)
                             + 2 * hidden * text.vocab_size)
     scaling = job.target.autoscaling
-    return Plan(trainer=trainer, replica=replica, kv_cache_tokens=kv_tokens,
+    return Plan(trainer=trainer, replica=replica,
+                kv_cache_tokens=replica["kv_cache"] // kv_per_token["total"],
+                kv_cache_bytes_per_token=kv_per_token,
                 supervision_bytes_per_token=per_token, replica_tokens_per_s=replica_rate,
                 trainer_tokens_per_s=trainer_rate,
                 replicas=scaling.max_replicas if scaling else job.target.replicas,
@@ -160,6 +176,7 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float | None = None,
                              "gpu_tflops": gpu_tflops, "micro_batch": [rows, seq],
                              "trainer_precision": "bf16" if bf16 else "fp32",
                              "cuda_context_gib": CUDA_CONTEXT_BYTES / GIB,
+                             **reserve_assumptions(job.target, gpu_memory_gib),
                              "rates_from": "FLOPs estimates (no GPU measurement yet: "
                                            "`eagle-ray bench gpu` measures them)"})
 
@@ -199,9 +216,6 @@ def check_trainer_fits(plan: Plan, budget_gib: float | None = None) -> None:
 def check_job_fits(job: JobConfig, plan: Plan, trainer_budget_gib: float | None = None
                    ) -> None:
     """The trainer's and (for an engine with a KV cache) the replica's checks, for a GPU job."""
-    from eagle_ray.backends.engines import ENGINES
-    from eagle_ray.backends.sizing import sized_pool_config
-
     check_trainer_fits(plan, trainer_budget_gib)
     engine = ENGINES.get(job.target.backend)
     max_model_len = engine.max_model_len(sized_pool_config(job)) if engine else None
@@ -210,8 +224,8 @@ def check_job_fits(job: JobConfig, plan: Plan, trainer_budget_gib: float | None 
 
 
 def check_worker_memory(job: JobConfig, model_path: str) -> None:
-    """A trainer worker's check on the GPU it got (or `train.gpu_memory_gib`), before it
-    allocates anything: the driver may have planned on an assumed GPU."""
+    """A trainer worker's check on the GPU it got (measured: `train.gpu_memory_gib` does not
+    override it), before it allocates anything: the driver may have planned on another GPU."""
     from transformers import AutoConfig
 
     check_trainer_fits(plan_job(job, AutoConfig.from_pretrained(model_path)))
@@ -219,17 +233,23 @@ def check_worker_memory(job: JobConfig, model_path: str) -> None:
 
 def check_replica_fits(plan: Plan, max_model_len: int) -> None:
     """A `ValueError` naming the keys to change when a replica's rank would not fit its GPU
-    (vLLM's share plus the target head) or its KV cache holds less than one request of
-    `max_model_len` tokens."""
+    (vLLM's share plus the target head) or its KV cache -- what the weights and vLLM's reserves
+    leave, at the target's KV plus the captured states per token -- holds less than one request
+    of `max_model_len` tokens."""
     gpu = plan.assumptions["gpu_memory_gib"]
     total = plan.replica["total"] / GIB
     where = f"a {gpu:.0f} GiB GPU ({plan.assumptions['gpu_memory_from']})"
     if plan.kv_cache_tokens < max_model_len:
         raise ValueError(
             f"a replica's KV cache holds {plan.kv_cache_tokens:,} tokens on {where}, less than "
-            f"one request of max_model_len {max_model_len:,} (weights "
-            f"{plan.replica['weights'] / GIB:.1f} GiB per GPU): raise target.tp_size or "
-            f"target.vllm_kwargs.gpu_memory_utilization, or lower data.max_length")
+            f"one request of max_model_len {max_model_len:,} (per GPU: weights "
+            f"{plan.replica['weights'] / GIB:.1f} GiB, reserves for activations "
+            f"{plan.replica['activations'] / GIB:.1f} GiB and CUDA graphs "
+            f"{plan.replica['cuda_graphs'] / GIB:.1f} GiB, assumed; "
+            f"{plan.kv_cache_bytes_per_token['total'] / 2**10:.0f} KiB per token): raise "
+            f"target.tp_size or target.vllm_kwargs.gpu_memory_utilization, lower "
+            f"data.max_length or target.vllm_kwargs.max_num_batched_tokens, or set "
+            f"target.vllm_kwargs.enforce_eager")
     if total > gpu:
         raise ValueError(
             f"a replica needs {total:.1f} GiB per GPU (gpu_memory_utilization's share plus the "
@@ -243,7 +263,7 @@ def trainer_memory(config: DraftConfig, rows: int, seq: int, ttt_steps: int,
     """Bytes of one trainer worker: fp32 weights (the draft of `kind` with the target's frozen
     embedding, and the target head it decodes with), gradients, AdamW state, DDP's gradient
     buckets, and the peak of one training step at `rows x seq` tokens, measured on fake
-    tensors."""
+    tensors with each attention call allocating what CUDA's kernel for it would."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     draft = _meta_draft(config, kind, anchors_per_row)
@@ -257,7 +277,7 @@ def trainer_memory(config: DraftConfig, rows: int, seq: int, ttt_steps: int,
     with FakeTensorMode(allow_non_fake_inputs=True):
         draft = draft.to_empty(device="cpu")
         head = head.to_empty(device="cpu").requires_grad_(False)
-        with TensorMemoryProbe() as probe:
+        with TensorMemoryProbe() as probe, cuda_attention_kernels():
             batch = _fake_batch(rows, seq, config.target_hidden_size, supervision_dtype,
                                 config.num_aux_layers)
             probs, position_mask = draft_target(batch, vocab, head)
@@ -272,26 +292,25 @@ def trainer_memory(config: DraftConfig, rows: int, seq: int, ttt_steps: int,
     return {**parts, "total": sum(parts.values())}
 
 
-def replica_memory(target_config, parameters: int, dtype: torch.dtype, tp_size: int,
-                   vllm_kwargs: dict[str, Any], gpu_memory_gib: float
-                   ) -> tuple[dict[str, int], int]:
-    """Bytes per tensor-parallel rank of a replica holding `parameters`, and the tokens its KV
-    cache holds: vLLM takes `gpu_memory_utilization` of the GPU and gives what the weights
-    leave to the cache."""
+def replica_memory(target_config, parameters: int, dtype: torch.dtype, pool: PoolConfig,
+                   gpu_memory_gib: float, captured_states: int
+                   ) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes per tensor-parallel rank of a replica holding `parameters`, and its KV cache's
+    bytes per token: vLLM takes `gpu_memory_utilization` of the GPU and gives the cache what the
+    weights, a CUDA context and its own reserves (assumed) leave."""
     text = target_config.get_text_config()
-    utilisation = float(vllm_kwargs.get("gpu_memory_utilization", 0.85))
-    budget = int(utilisation * gpu_memory_gib * GIB)
-    weights = parameters * dtype.itemsize // tp_size
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", text.num_attention_heads)
-    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize // tp_size
-    kv_cache = max(budget - weights - CUDA_CONTEXT_BYTES, 0)
+    engine_kwargs = gpu_engine_kwargs(pool)
+    budget = int(float(engine_kwargs["gpu_memory_utilization"]) * gpu_memory_gib * GIB)
+    weights = parameters * dtype.itemsize // pool.tp_size
+    reserves = engine_reserves(engine_kwargs, gpu_memory_gib)
+    kv_cache = max(budget - weights - CUDA_CONTEXT_BYTES - sum(reserves.values()), 0)
     # eagle_ray's target head (final norm + lm_head, whole on the first rank's GPU), loaded
     # after vLLM sized its cache: outside gpu_memory_utilization.
     head = (text.vocab_size + 1) * text.hidden_size * dtype.itemsize
-    parts = {"weights": weights, "kv_cache": kv_cache, "cuda_context": CUDA_CONTEXT_BYTES,
-             "target_head": head}
-    return {**parts, "total": sum(parts.values())}, kv_cache // per_token
+    parts = {"weights": weights, **reserves, "kv_cache": kv_cache,
+             "cuda_context": CUDA_CONTEXT_BYTES, "target_head": head}
+    return ({**parts, "total": sum(parts.values())},
+            kv_cache_bytes_per_token(text, pool.tp_size, dtype.itemsize, captured_states))
 
 
 def draft_passes_per_token(job: JobConfig, seq: int) -> float:
@@ -347,13 +366,16 @@ def format_plan(plan: Plan) -> str:
     def table(title: str, parts: dict[str, int]) -> list[str]:
         return [title] + [f"  {name:<14}{value / GIB:8.1f} GiB" for name, value in parts.items()]
 
-    a = plan.assumptions
+    a, kv = plan.assumptions, {k: v / 2**10 for k, v in plan.kv_cache_bytes_per_token.items()}
     lines = [f"GPU: {a['gpu_memory_gib']:.0f} GiB ({a['gpu_memory_from']})"]
     lines += table(f"trainer worker (per GPU; {a['draft']} draft, micro-batch "
                    f"{a['micro_batch'][0]} x {a['micro_batch'][1]} tokens, "
                    f"{a['trainer_precision']})", plan.trainer)
     lines += table("replica (per GPU)", plan.replica)
-    lines += [f"  KV cache holds {plan.kv_cache_tokens:,} tokens",
+    lines += [f"  KV cache holds {plan.kv_cache_tokens:,} tokens of {kv['total']:.0f} KiB "
+              f"(target's KV {kv['attention']:.0f}, captured states {kv['captured_states']:.0f})",
+              f"  assumed: activations ({a['max_num_batched_tokens']:,} batched tokens x "
+              f"{a['activation_kib_per_batched_token']} KiB) and CUDA graphs (not measured yet)",
               f"supervision: {plan.supervision_bytes_per_token:,} bytes per token, "
               f"{plan.supervision_bytes_per_token * plan.replica_tokens_per_s / 2**20:,.0f} "
               f"MiB/s per replica",

@@ -1,6 +1,7 @@
-"""`eagle-ray plan`: the trainer's memory measured on fake tensors matches a real step, the
-shipped GPU recipes fit an 80 GB GPU with headroom, and a GPU too small for a trainer or a
-replica is refused (by the plan, before training, and by each worker on its own GPU)."""
+"""`eagle-ray plan`: the trainer's memory measured on fake tensors matches a real step, a
+replica's KV cache is what vLLM's own allocator makes of it, the shipped GPU recipes fit an 80 GB
+GPU with headroom, and a GPU too small for a trainer or a replica is refused (by the plan, before
+training, and by each worker on the GPU it measures)."""
 
 import re
 from pathlib import Path
@@ -9,8 +10,10 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from eagle_ray.backends.sizing import ACTIVATION_BYTES_PER_BATCHED_TOKEN, CUDA_GRAPH_POOL_BYTES
 from eagle_ray.cli import main
 from eagle_ray.config import JobConfig, load_yaml
+from eagle_ray.contract.aux_layers import resolve_aux_layer_ids, vllm_capture_layer_ids
 from eagle_ray.contract.supervision import DraftVocab, draft_target
 from eagle_ray.contract.target_head import TargetHead
 from eagle_ray.draft.kinds import build_draft
@@ -136,18 +139,30 @@ def test_a_layout_the_plan_contradicts_is_named_with_what_fits():
 LLAMA_8B = "examples/targets/llama-3.1-8b-instruct"
 
 
-def test_the_gpu_memory_is_the_one_named_else_the_one_present(monkeypatch):
-    assert gpu_memory(24) == (24.0, "configured")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def fake_gpu(monkeypatch, total_gib: float | None) -> None:
+    """torch.cuda as on a machine with one GPU of `total_gib` (None: no GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: total_gib is not None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (3 * GIB, total_gib * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA A10G")
+
+
+def test_a_measured_gpu_wins_over_the_configured_figure(monkeypatch):
+    """A recipe configured for 80 GiB (`train.gpu_memory_gib`) is checked on the 24 GiB GPU a
+    worker got, and refused; the configured figure plans only where no GPU is present."""
+    job = load_yaml(JobConfig, "examples/llama3.1-8b.yaml", ["train.gpu_memory_gib=80"])
+    fake_gpu(monkeypatch, 24)
+    assert gpu_memory(80) == (24.0, "measured (NVIDIA A10G)")
+    assert plan_job(job, AutoConfig.from_pretrained(LLAMA_8B)).assumptions["gpu_memory_gib"] == 24
+    with pytest.raises(ValueError, match=r"24 GiB GPU, measured \(NVIDIA A10G\)\)"):
+        check_worker_memory(job, LLAMA_8B)
+    # `eagle-ray plan --gpu-memory-gib` plans for other GPUs than this machine's.
+    assert plan_job(job, AutoConfig.from_pretrained(LLAMA_8B),
+                    gpu_memory_gib=80).assumptions["gpu_memory_gib"] == 80
+    fake_gpu(monkeypatch, None)  # the control: no GPU here, so the configured figure
+    assert gpu_memory(80) == (80.0, "configured: no GPU here")
+    check_worker_memory(job, LLAMA_8B)
     memory, source = gpu_memory()
     assert memory == 80 and source.startswith("assumed")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (3 * GIB, 22.5 * GIB))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA L4")
-    assert gpu_memory() == (22.5, "measured (NVIDIA L4)")
-    job = load_yaml(JobConfig, "examples/llama3.1-8b.yaml", [])
-    assert plan_job(job, AutoConfig.from_pretrained(LLAMA_8B)).assumptions["gpu_memory_gib"] \
-        == 22.5
 
 
 def test_a_trainer_worker_too_big_for_its_gpu_is_refused():
@@ -155,7 +170,7 @@ def test_a_trainer_worker_too_big_for_its_gpu_is_refused():
     target = AutoConfig.from_pretrained(LLAMA_8B)
     check_trainer_fits(plan_job(job, target, gpu_memory_gib=80))  # the control
     with pytest.raises(ValueError, match=r"over its 19.2 GiB budget \(80% of a 24 GiB GPU, "
-                                         r"configured\): lower data.micro_batch_size"):
+                                         r"given\): lower data.micro_batch_size"):
         check_trainer_fits(plan_job(job, target, gpu_memory_gib=24))
 
 
@@ -174,11 +189,125 @@ def test_a_replica_too_big_for_its_gpu_is_refused():
         check_replica_fits(plan_job(greedy, target, gpu_memory_gib=80), 4097)
 
 
-def test_the_train_time_gate_stops_a_job_that_does_not_fit(tmp_path):
-    """`run_job` refuses before Ray or a pool starts; every worker checks its own GPU again."""
+VLLM_BLOCK = 16  # tokens per block; any size gives the same bytes per token
+# Recipes and the targets and overrides a replica's KV cache is checked at: every shipped
+# recipe, a 70B at TP 8, KV heads fewer than the TP ranks (each rank holds a copy), and
+# DeepSeek's latent attention (one latent per layer, on every rank).
+KV_CASES = [*((recipe, target, []) for recipe, target in sorted(RECIPES.items())),
+            ("llama3.1-8b", "llama-3.1-70b", ["target.tp_size=8"]),
+            ("qwen3-30b-a3b", "qwen3-30b-a3b", ["target.tp_size=8"]),
+            ("llama3.1-8b", "tiny-deepseek-v2", ["target.tp_size=2"])]
+
+
+@pytest.fixture(scope="module")
+def target_dirs(tmp_path_factory) -> dict[str, str]:
+    """config.json folders of the KV cases' targets: the shipped ones, Llama-3.1-70B's shape
+    (its public config) and the tiny DeepSeek-V2."""
+    from transformers import LlamaConfig
+
+    from eagle_ray.tiny import tiny_target_config
+
+    root = tmp_path_factory.mktemp("targets")
+    LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                max_position_embeddings=131072, rope_theta=500000.0,
+                torch_dtype="bfloat16").save_pretrained(root / "llama-3.1-70b")
+    tiny_target_config("deepseek_v2", 1024).save_pretrained(root / "tiny-deepseek-v2")
+    return {**{path.name: str(path) for path in Path("examples/targets").iterdir()},
+            **{name: str(root / name) for name in ("llama-3.1-70b", "tiny-deepseek-v2")}}
+
+
+def vllm_kv_cache(model_dir: str, tp_size: int, captured_states: int, kv_cache_bytes: int
+                  ) -> tuple[int, int]:
+    """(bytes per token, tokens) of a KV cache of `kv_cache_bytes` on one rank, as vLLM 0.32
+    makes it: the specs its attention layers and the `extract_hidden_states` capture layer
+    return (`Attention` / `MLAAttention.get_kv_cache_spec`,
+    `CacheOnlyAttentionLayer.get_kv_cache_spec`) from its own reading of the config, grouped and
+    turned into blocks by its allocator (`kv_cache_utils`)."""
+    from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        HiddenStateCacheSpec,
+        MLAAttentionSpec,
+    )
+
+    model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16")
+    parallel = ParallelConfig(tensor_parallel_size=tp_size)
+    config = VllmConfig(model_config=model, parallel_config=parallel,
+                        cache_config=CacheConfig(block_size=VLLM_BLOCK))
+    # What the engine core resolves for pages of mixed shapes: a block-compact layout.
+    config.cache_config.kv_cache_layout = "LBHNC"
+    attention = MLAAttentionSpec if model.use_mla else FullAttentionSpec
+    specs = {f"layers.{i}": attention(block_size=VLLM_BLOCK, dtype=model.dtype,
+                                      num_kv_heads=model.get_num_kv_heads(parallel),
+                                      head_size=model.get_head_size())
+             for i in range(model.get_num_layers(parallel))}
+    specs["cache_only"] = HiddenStateCacheSpec(block_size=VLLM_BLOCK, dtype=model.dtype,
+                                               num_kv_heads=captured_states,
+                                               head_size=model.get_hidden_size())
+    groups = get_kv_cache_groups(config, specs)
+    assert len(groups) == 1  # one block table: a token's every layer in one block
+    kv_cache = get_kv_cache_config_from_groups(config, groups, kv_cache_bytes)
+    return groups[0].kv_cache_spec.page_size_bytes // VLLM_BLOCK, kv_cache.num_blocks * VLLM_BLOCK
+
+
+@pytest.mark.parametrize(("recipe", "target", "overrides"), KV_CASES)
+def test_a_replicas_kv_cache_is_what_vllms_allocator_makes_of_it(recipe, target, overrides,
+                                                                 target_dirs):
+    """The plan's bytes per token and tokens equal vLLM's for the same bytes: the target's KV on
+    the rank plus the layer holding the captured states (the job's aux ids and the final one),
+    which TP does not divide."""
+    job = load_yaml(JobConfig, f"examples/{recipe}.yaml", overrides)
+    config = AutoConfig.from_pretrained(target_dirs[target])
+    plan = plan_job(job, config, gpu_memory_gib=80)
+    text, tp = config.get_text_config(), job.target.tp_size
+    layers = text.num_hidden_layers
+    captured = len(vllm_capture_layer_ids(resolve_aux_layer_ids(job.target.aux_layer_ids,
+                                                                layers), layers))
+    per_token, tokens = vllm_kv_cache(target_dirs[target], tp, captured,
+                                      plan.replica["kv_cache"])
+    assert plan.kv_cache_bytes_per_token["total"] == per_token
+    assert tokens <= plan.kv_cache_tokens < tokens + VLLM_BLOCK
+    # The control: the plan's figure before, the target's K and V alone divided by TP,
+    # overstates the cache.
+    kv_only = 2 * layers * text.num_key_value_heads * text.head_dim * 2 // tp
+    assert plan.replica["kv_cache"] // kv_only >= tokens + VLLM_BLOCK
+
+
+def test_vllms_reserves_are_counted_before_its_kv_cache():
+    """vLLM's activations at `max_num_batched_tokens` and its CUDA-graph pool (assumed figures,
+    in the plan's assumptions) come out of the KV cache's share: at 20 GiB Llama-3.1-8B's
+    weights and a CUDA context leave 1 GiB, which held 8k tokens of the target's KV alone, and
+    the reserves leave nothing; eager and with fewer batched tokens, one request fits."""
+    job = load_yaml(JobConfig, "examples/llama3.1-8b-smoke.yaml", [])  # vLLM's batch default
+    target = AutoConfig.from_pretrained(LLAMA_8B)
+    large, small = plan_job(job, target, gpu_memory_gib=80), plan_job(job, target,
+                                                                      gpu_memory_gib=20)
+    assert large.assumptions["max_num_batched_tokens"] == 16384  # vLLM's default on an H100
+    assert small.assumptions["max_num_batched_tokens"] == 8192
+    assert small.replica["activations"] == 8192 * ACTIVATION_BYTES_PER_BATCHED_TOKEN
+    assert small.replica["cuda_graphs"] == CUDA_GRAPH_POOL_BYTES
+    assert small.kv_cache_tokens == 0
+    with pytest.raises(ValueError, match=r"holds 0 tokens.*reserves for activations 1.2 GiB "
+                                         r"and CUDA graphs 1.0 GiB, assumed.*max_num_batched"):
+        check_replica_fits(small, 4097)
+    lean = load_yaml(JobConfig, "examples/llama3.1-8b-smoke.yaml",
+                     ["target.vllm_kwargs.enforce_eager=true",
+                      "target.vllm_kwargs.max_num_batched_tokens=1024"])
+    plan = plan_job(lean, target, gpu_memory_gib=20)  # the control
+    assert plan.replica["cuda_graphs"] == 0
+    assert plan.replica["activations"] == 1024 * ACTIVATION_BYTES_PER_BATCHED_TOKEN
+    check_replica_fits(plan, 4097)
+
+
+def test_the_train_time_gate_stops_a_job_that_does_not_fit(tmp_path, monkeypatch):
+    """`run_job` refuses before Ray or a pool starts; every worker checks its own GPU again
+    (here none: the configured figure)."""
     from eagle_ray.tiny import tiny_target
     from eagle_ray.train.job import check_job_memory, run_job
 
+    fake_gpu(monkeypatch, None)
     overrides = [f"target.model_path={LLAMA_8B}", f"output_dir={tmp_path}",
                  f"target.vllm_kwargs.tokenizer={tiny_target('llama')}"]
     small = load_yaml(JobConfig, "examples/llama3.1-8b-smoke.yaml",

@@ -90,8 +90,9 @@ class TrainConfig:
     """`auto`: bf16 autocast on a GPU with bf16 (fp32 master weights and optimizer state, TF32
     matmuls), fp32 on the CPU; bf16 on a GPU without it is an error."""
     gpu_memory_gib: float | None = None
-    """GPU memory per GPU (GiB) for the memory check before training (`eagle-ray plan`'s);
-    None: the driver's GPU when it has one, and every worker checks the GPU it got."""
+    """GPU memory per GPU (GiB) for the memory check before training (`eagle-ray plan`'s)
+    where no GPU is present (a driver without one); a GPU present is measured and wins, and
+    every worker checks the GPU it got. None: an assumed 80 GiB where no GPU is present."""
     prefetch: int = 4
     """Micro-batches each worker keeps in flight at the pool."""
     checkpoint_every: int = 50

@@ -25,13 +25,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from eagle_ray.contract.supervision import soft_cross_entropy
+from eagle_ray.draft.attention import grouped_query_attention
 from eagle_ray.draft.model import (
     DraftConfig,
     DraftMLP,
     RMSNorm,
     feature_projection,
     frozen_embedding,
-    grouped_query_attention,
     rotate,
 )
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eagle_ray.draft.model import AttentionFn, DraftConfig, Eagle3Draft, ttt_attention
+from eagle_ray.draft.attention import AttentionFn, ttt_attention
+from eagle_ray.draft.model import DraftConfig, Eagle3Draft
 
 
 class PEagleDraft(Eagle3Draft):

@@ -1,7 +1,8 @@
-"""How vLLM serves an exported draft. The evaluation's engine and the `vllm serve` command a job
-prints are both built from one `DraftServing`, so the command is exactly what was evaluated:
+"""How vLLM serves an exported draft. The evaluation's engines and the `vllm serve` command a job
+prints are all built from one `DraftServing`, so the command is exactly what was evaluated:
 the target's checkpoint, dtype and tensor-parallel size, and the draft as its speculative model
-(`eagle3` for EAGLE-3 and P-EAGLE drafts, `dflash` for DFlash ones).
+(`eagle3` for EAGLE-3 and P-EAGLE drafts, `dflash` for DFlash ones); the evaluation's greedy
+reference is the same engine without the draft.
 """
 
 from __future__ import annotations
@@ -54,16 +55,20 @@ class DraftServing:
             spec["parallel_drafting"] = True
         return spec
 
-    def engine_kwargs(self, k: int) -> dict[str, Any]:
-        """`vllm.LLM` arguments serving the draft at `k` (the same as `command(k)`)."""
+    def target_engine_kwargs(self) -> dict[str, Any]:
+        """`vllm.LLM` arguments serving the target alone, as `engine_kwargs` serves it but
+        without the draft: the reference whose greedy output speculation must not change."""
         kwargs = {"model": self.model_path, "dtype": self.dtype,
-                  "tensor_parallel_size": self.tp_size,
-                  "speculative_config": self.speculative_config(k)}
+                  "tensor_parallel_size": self.tp_size}
         if self.tp_size > 1:
             kwargs["distributed_executor_backend"] = TP_EXECUTOR
         if self.tokenizer:
             kwargs["tokenizer"] = self.tokenizer
         return kwargs
+
+    def engine_kwargs(self, k: int) -> dict[str, Any]:
+        """`vllm.LLM` arguments serving the draft at `k` (the same as `command(k)`)."""
+        return {**self.target_engine_kwargs(), "speculative_config": self.speculative_config(k)}
 
     def command(self, k: int) -> str:
         """`vllm serve` with the draft as the target's speculative model at `k`."""

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 def check_job_memory(config: JobConfig) -> None:
     """A GPU job whose trainer worker or replica would not fit its GPU (`eagle-ray plan`, on
-    the driver's GPU or `train.gpu_memory_gib`, else an assumed 80 GiB that each worker checks
+    the driver's GPU, else `train.gpu_memory_gib`, else an assumed 80 GiB; each worker checks
     again on its own GPU) stops here, naming the keys to change, before Ray or a pool
     starts."""
     if not (config.train.use_gpu and config.target.model_path):

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from eagle_ray.draft.model import HALF_PRECISION, attention_dtype
+from eagle_ray.draft.attention import HALF_PRECISION, attention_dtype
 
 FLASH_MAX_HEAD_DIM = 256  # flash attention's largest head dim on sm80+
 

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from eagle_ray.draft import dflash
+from eagle_ray.draft.attention import grouped_query_attention
 from eagle_ray.draft.kinds import build_draft
-from eagle_ray.draft.model import DraftConfig, grouped_query_attention
+from eagle_ray.draft.model import DraftConfig
 from eagle_ray.plan import trainer_memory
 from eagle_ray.train.memory import TensorMemoryProbe, cuda_attention_kernels
 

@@ -7,6 +7,7 @@ import torch
 
 from eagle_ray.contract.identity import TargetIdentity
 from eagle_ray.contract.supervision import DraftVocab, draft_target
+from eagle_ray.draft.attention import reference_ttt_attention, ttt_attention
 from eagle_ray.draft.export import (
     export_draft,
     exported_target,
@@ -16,9 +17,7 @@ from eagle_ray.draft.export import (
 from eagle_ray.draft.model import (
     DraftConfig,
     Eagle3Draft,
-    reference_ttt_attention,
     shift_left,
-    ttt_attention,
     ttt_loss,
 )
 from eagle_ray.testing import random_micro_batch
