@@ -20,6 +20,10 @@ VLLM_PLUGINS = {"eagle_ray.backends.vllm.connector", "eagle_ray.backends.vllm.mi
 RAY_FREE = ["eagle_ray.backends.base", "eagle_ray.backends.hf", "eagle_ray.config",
             "eagle_ray.tiny"]
 
+# `eagle-ray bench gpu` and the training loop's learner it runs: the lent GPU machine has torch
+# and transformers, neither Ray nor vLLM.
+GPU_CHECK = ["eagle_ray.bench.gpu", "eagle_ray.train.loop"]
+
 BLOCK_VLLM = """
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
@@ -112,6 +116,19 @@ def test_contract_and_hf_backend_import_neither_ray_nor_vllm():
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def ray_or_vllm_imported_by(modules: list[str]) -> list[str]:
+    """Which of Ray and vLLM importing `modules` (in a fresh process) imports."""
+    result = run_python(f"import sys, {', '.join(modules)}\n"
+                        "print(sorted(m for m in ('ray', 'vllm') if m in sys.modules))")
+    assert result.returncode == 0, result.stderr
+    return ast.literal_eval(result.stdout.strip())
+
+
+def test_the_gpu_check_and_the_learner_import_neither_ray_nor_vllm():
+    assert ray_or_vllm_imported_by(GPU_CHECK) == []
+    assert ray_or_vllm_imported_by(["eagle_ray.pool"]) == ["ray"]  # the probe sees Ray
 
 
 def test_vllm_backend_module_does_not_import_vllm():

@@ -15,8 +15,10 @@
 - `learner_step`: the training loop's own learner (`DraftLearner`, bf16 autocast) at the
   recipe's draft shape: tokens/s and peak memory against `eagle-ray plan`'s figure (ratio);
 - `fp8`: quantising a batch's hidden states on the device then copying, against copying bf16;
-- `pool` (when Ray is importable): a one-replica HF pool on the device against the same backend
-  in this process, the same micro-batches (the pool's own overhead where cores are not shared).
+- `pool` (when Ray is importable; otherwise a warning says it is skipped): a one-replica HF
+  pool on the device against the same backend in this process, the same micro-batches (the
+  pool's own overhead where cores are not shared). No other check imports Ray or vLLM: a lent
+  GPU machine has neither.
 
 `--device cpu --quick` runs the same code at tiny shapes in seconds (CI). Peak memory is
 `torch.cuda.max_memory_allocated` on a GPU and `TensorMemoryProbe` on the CPU; every timing
@@ -38,11 +40,10 @@ from eagle_ray.contract.aux_layers import resolve_eagle3_aux_layer_ids
 from eagle_ray.contract.fp8 import encode_batch
 from eagle_ray.contract.target_batch import ENCODINGS
 from eagle_ray.contract.target_head import TargetHead
+from eagle_ray.draft.attention import reference_ttt_attention, ttt_attention
 from eagle_ray.draft.model import (
     DraftConfig,
     Eagle3Draft,
-    reference_ttt_attention,
-    ttt_attention,
     ttt_loss,
 )
 from eagle_ray.train.memory import TensorMemoryProbe
@@ -328,12 +329,12 @@ def random_llama_backend(config):
 def pool_vs_in_process(device: torch.device, small: bool, rounds: int = 3) -> None:
     """Supervision tokens/s of a one-replica HF pool on `device` vs the same backend in this
     process returning host memory (what a replica returns), interleaved rounds."""
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None:
-        logger.info("Ray is not importable: the pool comparison is skipped")
+    try:
+        import ray
+    except ImportError as error:  # a bare GPU machine: torch and transformers only
+        logger.warning("bench gpu: the pool comparison is skipped: Ray is not importable (%s)",
+                       error)
         return
-    import ray
 
     from eagle_ray.bench import NAMESPACE
     from eagle_ray.pool import ClientConfig, PoolConfig, TargetPool

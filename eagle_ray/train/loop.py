@@ -4,7 +4,8 @@ Each worker streams its shard's micro-batches through a `PoolClient` -- the in-f
 prefetches supervision, so target latency overlaps the draft's compute -- and trains with DDP,
 AdamW, warm-up + cosine decay and gradient clipping; checkpoints go through
 `ray.train.Checkpoint`, and a rerun with the same `run_name` resumes. Rank 0 exports the draft
-for the target the pool served.
+for the target the pool served. The learner (`DraftLearner`) imports no Ray -- `bench gpu` runs
+it on machines without Ray -- so Ray and the pool are imported where a worker uses them.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from eagle_ray.draft.export import export_draft
 from eagle_ray.draft.kinds import build_draft
 from eagle_ray.draft.model import DraftConfig
 from eagle_ray.plan import check_worker_memory
-from eagle_ray.pool import PoolClient
-from eagle_ray.pool.telemetry import TrainerMetrics
 from eagle_ray.train.device import DevicePrefetcher, autocast_dtype
 from eagle_ray.train.run_record import RECORD_FILE
 from eagle_ray.train.trackers import Trackers
@@ -143,12 +142,24 @@ class DraftLearner:
                             spec.anchors_per_row, spec.loss_decay_gamma)
         return cls(draft, head, vocab, train, device, ray.train.torch.prepare_model)
 
+    def save(self, directory: Path, step: int) -> None:
+        """Write the draft, optimizer and schedule at `step` into `directory` (what `resume`
+        reads)."""
+        state = {"draft": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "step": step}
+        torch.save(state, Path(directory) / CHECKPOINT_FILE)
+
     def resume(self, checkpoint, rank: int) -> int:
-        """Load Ray Train's latest checkpoint, if any; the step to start from."""
+        """Load Ray Train's latest checkpoint, if any; the step to start from.
+
+        Its tensors load into host memory: as saved they name rank 0's GPU, which a node's
+        workers all see (Ray Train shares CUDA_VISIBLE_DEVICES), so each would put the draft and
+        AdamW's state there; `load_state_dict` copies them onto this learner's device."""
         if checkpoint is None:
             return 0
         with checkpoint.as_directory() as ckpt_dir:
-            state = torch.load(Path(ckpt_dir) / CHECKPOINT_FILE, weights_only=False)
+            state = torch.load(Path(ckpt_dir) / CHECKPOINT_FILE, map_location="cpu",
+                               weights_only=False)
         self.draft.load_state_dict(state["draft"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -173,16 +184,14 @@ class DraftLearner:
                 **{f"loss_{k}": v for k, v in enumerate(step_losses)},
                 **{f"acc_{k}": v for k, v in enumerate(step_accuracies)}}
 
-    def state(self, step: int) -> dict[str, Any]:
-        return {"draft": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "step": step}
-
 
 def _supervision(setup: WorkerSetup, rank: int, world: int, start_step: int
                  ) -> tuple[TimedIterator, Iterator]:
     """(the micro-batches read, timed; their supervision): from the supervision cache, or the
     worker's data shard streamed through the pool."""
     import ray.train
+
+    from eagle_ray.pool import PoolClient
 
     job, train = setup.job, setup.job.train
     if job.data.supervision_cache:
@@ -249,6 +258,8 @@ class RankOutputs:
     checkpoints through `ray.train.report`."""
 
     def __init__(self, setup: WorkerSetup, rank: int) -> None:
+        from eagle_ray.pool.telemetry import TrainerMetrics  # Ray's metrics: the learner needs none
+
         job, train = setup.job, setup.job.train
         self.rank, self.record = rank, setup.run_record
         self.metrics_path = Path(setup.output_dir) / "metrics.jsonl"
@@ -292,7 +303,7 @@ class RankOutputs:
 
         with tempfile.TemporaryDirectory() as tmp:
             if self.rank == 0:
-                torch.save(learner.state(step), Path(tmp) / CHECKPOINT_FILE)
+                learner.save(Path(tmp), step)
                 (Path(tmp) / RECORD_FILE).write_text(json.dumps(self.record))
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp)
                              if self.rank == 0 else None)

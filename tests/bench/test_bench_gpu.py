@@ -1,19 +1,42 @@
 """`eagle-ray bench gpu --device cpu --quick`: the GPU check's code runs in CI, and what it
-reports says what the device paths must hold."""
+reports says what the device paths must hold -- with Ray, and on a machine like the lent GPU
+machine, which has torch and transformers but neither Ray nor vLLM."""
 
 import json
 import subprocess
 import sys
 
+# Imports of Ray and vLLM fail as where neither is installed.
+BLOCK_RAY_AND_VLLM = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("ray", "vllm"):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+sys.meta_path.insert(0, Block())
+"""
+QUICK_GPU_CHECK = ("import sys\nfrom eagle_ray.cli import main\n"
+                   "sys.exit(main(['bench', 'gpu', '--device', 'cpu', '--quick']))\n")
+SKIPPED_POOL = "the pool comparison is skipped: Ray is not importable"
 
-def test_the_gpu_check_runs_on_the_cpu_at_small_shapes():
-    done = subprocess.run([sys.executable, "-m", "eagle_ray.cli", "bench", "gpu", "--device",
-                           "cpu", "--quick"], capture_output=True, text=True, timeout=600)
+
+def run_python(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def quick_gpu_check(prelude: str = "") -> tuple[dict[str, list[dict]], str]:
+    """The quick check's result lines by metric, and its log (stderr)."""
+    done = run_python(prelude + QUICK_GPU_CHECK)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = [json.loads(line) for line in done.stdout.splitlines()]
     by_metric: dict[str, list[dict]] = {}
-    for result in results:
+    for result in map(json.loads, done.stdout.splitlines()):
         by_metric.setdefault(result["metric"], []).append(result)
+    return by_metric, done.stderr
+
+
+def assert_the_checks_without_ray(by_metric: dict[str, list[dict]]) -> None:
+    """What every check that needs no Ray reports."""
     # The same weights on the same device: identical in fp32, close in bf16, every encoding.
     fp32 = by_metric["max_abs_diff_vs_cpu"]
     assert {r["encoding"] for r in fp32} == {"logits", "last_hidden", "target_probs"}
@@ -27,5 +50,29 @@ def test_the_gpu_check_runs_on_the_cpu_at_small_shapes():
     assert by_metric["self_check_refused_right"][0]["value"] == 0  # no false alarm
     assert by_metric["learner_step_tokens_per_s"][0]["value"] > 0  # the loop's own learner
     assert {r["encoding_dtype"] for r in by_metric["to_host_seconds"]} == {"auto", "fp8"}
+
+
+def test_the_gpu_check_runs_on_the_cpu_at_small_shapes():
+    by_metric, log = quick_gpu_check()
+    assert_the_checks_without_ray(by_metric)
     pool = {r["path"]: r for r in by_metric["pool_supervision_tokens_per_s"]}
     assert set(pool) == {"in_process", "pool_1_replica"} and pool["in_process"]["ratio"] == 1.0
+    assert SKIPPED_POOL not in log
+
+
+def test_without_ray_or_vllm_every_other_check_runs_and_the_pool_one_says_it_is_skipped():
+    """As on the lent GPU machine: the learner step included, and nothing imports vLLM."""
+    by_metric, log = quick_gpu_check(BLOCK_RAY_AND_VLLM)
+    assert_the_checks_without_ray(by_metric)
+    assert "pool_supervision_tokens_per_s" not in by_metric
+    assert SKIPPED_POOL in log
+
+
+def test_the_blocker_leaves_neither_ray_nor_vllm_importable():
+    """The control for the test above: its prelude does block them, and only them."""
+    for name in ("ray", "ray.train", "vllm"):
+        done = run_python(BLOCK_RAY_AND_VLLM + f"import {name}", timeout=120)
+        assert done.returncode != 0 and "blocked by the test" in done.stderr, name
+    done = run_python(BLOCK_RAY_AND_VLLM + "import torch, transformers, eagle_ray.cli",
+                      timeout=120)
+    assert done.returncode == 0, done.stderr
