@@ -14,22 +14,30 @@ stream has reached it reads stale data, which no CPU test and no fake tensor can
   asynchronously (a pageable one is staged by the driver anyway).
 - `start_hand_over` issues the copies on a side stream and returns a `HandOver`, whose
   `result()` waits for them (the host for a device-to-host copy; the consumer's stream, not the
-  host, for a host-to-device one): the prefetch of the next training batch, the connector's copy
-  out of vLLM's KV cache.
+  host, for a host-to-device one): the prefetch of the next training batch, the vLLM connector's
+  copies around its gather (the slots in, the states out of the KV cache).
 
 `HostBuffers` keeps the host memory that supervision is written into, for the next batch: a
 fresh 512 MiB allocation costs its page faults every time (3.4x a copy into warm memory here).
+A host-to-device copy out of it is non-blocking too, so the memory may still be read after the
+call that filled it has returned: each use records an event behind the copies it enqueued, and
+the host waits for it before the memory is handed out again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
+
+# `empty(shape, dtype)`: an uninitialised host tensor (what a `HostBuffers` use hands out).
+EmptyHost = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 def hand_over(tensors: Iterable[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
@@ -109,38 +117,78 @@ def start_hand_over(tensors: Iterable[torch.Tensor], device: torch.device | str,
     return HandOver(moved, device, event)
 
 
+@dataclasses.dataclass(eq=False)  # one buffer is itself only (and arrays compare elementwise)
+class _Buffer:
+    """Host memory `HostBuffers` keeps, and the events behind the GPU copies of its last use."""
+
+    memory: np.ndarray  # uint8
+    reads: list[torch.cuda.Event] = dataclasses.field(default_factory=list)
+
+    def wait(self) -> None:
+        """Block the host until the last use's copies have read the memory."""
+        for event in self.reads:
+            event.synchronize()
+        self.reads = []
+
+
 class HostBuffers:
-    """Host memory reused across batches: `empty` hands out a tensor backed by an idle buffer
-    (or a new one), and the buffer is idle again once every tensor and array viewing it is gone
-    (after Ray has copied a replica's answer into the object store, say). Pinned where a GPU is
-    present, so copies to it are asynchronous. At most `max_buffers` are kept; beyond them
-    `empty` allocates as usual."""
+    """Host memory reused across calls: `use` hands out tensors backed by idle buffers (or new
+    ones). A buffer is idle again once every tensor and array viewing it is gone (after Ray has
+    copied a replica's answer into the object store, say) and the GPU copies that read it have
+    finished. Pinned where a GPU is present, so copies to it are asynchronous. At most
+    `max_buffers` are kept; beyond them tensors are allocated as usual."""
 
     def __init__(self, max_buffers: int = 8) -> None:
         self.max_buffers = max_buffers
         self._pinned = torch.cuda.is_available()
-        self._idle: list[np.ndarray] = []  # uint8 buffers nothing views now
+        self._idle: list[_Buffer] = []  # buffers nothing views now
         self._kept = 0  # buffers made (idle or in use)
         self._lock = threading.Lock()  # a replica's host stage and its request threads
 
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised host tensor of `shape` and `dtype`."""
-        nbytes = math.prod(shape) * dtype.itemsize
+    @contextlib.contextmanager
+    def use(self, readers: Iterable[torch.device | str] = ()) -> Iterator[EmptyHost]:
+        """`empty(shape, dtype)` for one call: uninitialised host tensors that the GPUs among
+        `readers` may copy from without the host waiting. On exit (every copy of the call
+        enqueued) an event is recorded behind what each reader's current stream has queued; the
+        memory is handed out again only once the host has waited for it."""
+        taken: list[tuple[_Buffer, np.ndarray]] = []  # viewed until their reads are fenced
+
+        def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            nbytes = math.prod(shape) * dtype.itemsize
+            buffer = self._take(nbytes)
+            if buffer is None:
+                return torch.empty(shape, dtype=dtype)
+            view = buffer.memory[:nbytes]  # every tensor handed out keeps this array alive
+            weakref.finalize(view, self._release, buffer)
+            taken.append((buffer, view))
+            return torch.from_numpy(view).view(dtype).reshape(shape)
+
+        try:
+            yield empty
+        finally:
+            reads = _reads_of(readers) if taken else []
+            for buffer, _ in taken:
+                buffer.reads = reads
+            taken.clear()
+
+    def _take(self, nbytes: int) -> _Buffer | None:
+        """The smallest idle buffer of at least `nbytes`, its last use's copies waited for; a new
+        one while fewer than `max_buffers` exist; else None."""
         with self._lock:
-            fitting = [i for i, b in enumerate(self._idle) if b.nbytes >= nbytes]
-            if fitting:  # the smallest that fits (by position: arrays compare elementwise)
-                buffer = self._idle.pop(min(fitting, key=lambda i: self._idle[i].nbytes))
+            fitting = [b for b in self._idle if b.memory.nbytes >= nbytes]
+            if fitting:
+                buffer = min(fitting, key=lambda b: b.memory.nbytes)
+                self._idle.remove(buffer)
             elif self._kept < self.max_buffers:
                 self._kept += 1
-                buffer = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-                          if self._pinned else np.empty(nbytes, dtype=np.uint8))
+                return _Buffer(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+                               if self._pinned else np.empty(nbytes, dtype=np.uint8))
             else:
-                return torch.empty(shape, dtype=dtype)
-        view = buffer[:nbytes]  # every tensor handed out keeps this array alive
-        weakref.finalize(view, self._release, buffer)
-        return torch.from_numpy(view).view(dtype).reshape(shape)
+                return None
+        buffer.wait()  # outside the lock: other calls take other buffers meanwhile
+        return buffer
 
-    def _release(self, buffer: np.ndarray) -> None:
+    def _release(self, buffer: _Buffer) -> None:
         with self._lock:
             self._idle.append(buffer)
 
@@ -154,9 +202,20 @@ def _may_copy_async(tensor: torch.Tensor, device: torch.device) -> bool:
 def _wait_on_host(stream: torch.cuda.Stream) -> None:
     """Block the host until the work queued on `stream` so far is done (an event behind it:
     later work on the stream, or on other streams, is not waited for)."""
+    _event_behind(stream).synchronize()
+
+
+def _reads_of(readers: Iterable[torch.device | str]) -> list[torch.cuda.Event]:
+    """An event behind the work queued so far on the current stream of each real GPU among
+    `readers` (where their copies of a `HostBuffers` use were enqueued)."""
+    gpus = {torch.device(reader) for reader in readers}
+    return [_event_behind(torch.cuda.current_stream(gpu)) for gpu in gpus if _real_gpu(gpu)]
+
+
+def _event_behind(stream: torch.cuda.Stream) -> torch.cuda.Event:
     event = torch.cuda.Event()
     event.record(stream)
-    event.synchronize()
+    return event
 
 
 def _real_gpu(device: torch.device) -> bool:

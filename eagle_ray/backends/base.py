@@ -44,7 +44,7 @@ from eagle_ray.contract.target_batch import (
     validate_prompts,
 )
 from eagle_ray.contract.target_head import TargetHead
-from eagle_ray.devices import HostBuffers, hand_over, to_device
+from eagle_ray.devices import EmptyHost, HostBuffers, hand_over, to_device
 
 __all__ = [
     "ENCODINGS", "NUM_AUX_LAYERS", "Eagle3TargetBatch", "EngineOutput", "Encoding",
@@ -111,12 +111,11 @@ class RunnerOutput:
         return self.last_hidden.gather(1, last_position.expand(-1, 1, hidden)).squeeze(1)
 
     def shifted(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                loss_mask: torch.Tensor, buffers: HostBuffers) -> dict[str, torch.Tensor]:
+                loss_mask: torch.Tensor, empty: EmptyHost) -> dict[str, torch.Tensor]:
         """The shifted supervision fields, `last_hidden` included (`eagle_ray.contract.shift`); rows
-        are shifted into `buffers`."""
+        are shifted into tensors from `empty` (a `HostBuffers` use)."""
         if self.rows is not None:
-            return shift_captured_rows(input_ids, attention_mask, loss_mask, self.rows,
-                                       buffers.empty)
+            return shift_captured_rows(input_ids, attention_mask, loss_mask, self.rows, empty)
         (last_hidden,) = hand_over([self.last_hidden], self.device)
         return shift_supervision(input_ids, attention_mask, loss_mask, self.aux_hidden_states,
                                  last_hidden)
@@ -270,6 +269,15 @@ class RunnerEagle3TargetModel:
         """The host's half of `generate_batch`: the self-check, the shift and the encoding of
         what `run_engine` returned, on `device` (as in `generate_batch`)."""
         encoding = _check_encoding(encoding or self.encoding, self.draft_vocab)
+        device = self.device if device is None else torch.device(device)
+        # Rows are shifted into host buffers that `device` and the head's device copy from
+        # without the host waiting: the buffers are reused only once those copies are done.
+        with self._host_buffers.use(readers=(device, self.device)) as empty:
+            return self._supervision(engine_output, encoding, device, empty)
+
+    def _supervision(self, engine_output: EngineOutput, encoding: Encoding, device: torch.device,
+                     empty: EmptyHost) -> Eagle3TargetBatch:
+        """`finish_batch`'s work, with host tensors from `empty`."""
         out = engine_output.runner_output
         # The shift runs where the runner left its states; the masks follow them there.
         input_ids, attention_mask, loss_mask = hand_over(
@@ -277,9 +285,8 @@ class RunnerEagle3TargetModel:
             out.device)
         if self.self_check and out.next_token_ids is not None:
             check_greedy_tokens(out.next_token_ids, out.final_states(attention_mask), self._head)
-        fields = out.shifted(input_ids, attention_mask, loss_mask, self._host_buffers)
+        fields = out.shifted(input_ids, attention_mask, loss_mask, empty)
         last_hidden = fields.pop("last_hidden")
-        device = self.device if device is None else torch.device(device)
         layers = len(self._aux_layer_ids)
         if encoding == "last_hidden":
             return Eagle3TargetBatch(**to_device({**fields, "last_hidden": last_hidden}, device),

@@ -7,10 +7,13 @@ with a CPU mask raises). Value checks that read data (`validate_micro_batch`'s n
 cannot run on fake tensors and are not what these tests are about; they are tested elsewhere.
 """
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import eagle_ray.backends.base as target_runner
 from eagle_ray.backends.base import RunnerEagle3TargetModel, RunnerOutput, TargetRunner
@@ -149,43 +152,136 @@ def test_the_fake_gpu_catches_a_device_mix_up(fake_gpu):
 
 
 class RecordedCuda:
-    """Stands in for the CUDA runtime calls `eagle_ray.devices` makes, recording them: which
-    streams events are recorded on, which events the host waits for, device-wide syncs."""
+    """Stands in for the CUDA runtime calls eagle_ray makes, recording them in `log`: events
+    recorded (on which stream), events the host waits for, streams made to wait for an event,
+    device-wide syncs; `RecordedCopies` adds every copy between devices. One GPU: its default
+    stream is "stream of cuda:0", a stream the code makes is "side stream"."""
 
     def __init__(self) -> None:
-        self.log: list[tuple[str, str]] = []
+        self.log: list[tuple] = []
+        self.recorded_at: dict[int, int] = {}  # log index of a host wait -> of its event's record
+        self.current = None  # the stream a `torch.cuda.stream` block made current
         recorded = self
 
         class Event:
             def record(self, stream=None):
-                self.stream = stream or "current"
+                self.stream = (stream or recorded.current_stream()).name
+                self.at = len(recorded.log)
                 recorded.log.append(("record", self.stream))
 
             def synchronize(self):
+                recorded.recorded_at[len(recorded.log)] = self.at
                 recorded.log.append(("host waits", self.stream))
 
-        self.Event = Event
+            def query(self):
+                return True
+
+        class Stream:
+            def __init__(self, name="side stream"):
+                self.name = name
+
+            def wait_event(self, event):
+                recorded.log.append(("stream waits", self.name, event.stream))
+
+        self.Event, self.Stream = Event, Stream
+        self.default = Stream("stream of cuda:0")
 
     def current_stream(self, device=None):
-        return f"stream of {device}"
+        return self.current or self.default
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        self.current, before = stream, self.current
+        try:
+            yield
+        finally:
+            self.current = before
 
     def synchronize(self, device=None):
         self.log.append(("device-wide sync", str(device)))
 
 
+class RecordedCopies(TorchDispatchMode):
+    """Logs each copy between devices into `cuda.log` as CUDA would run it: ("copy", stream,
+    "async" or "synchronising", "to cuda" or "to cpu"). Asynchronous: non-blocking with the host
+    side pinned (a non-blocking `.to("cpu")` allocates pinned memory); every other copy makes
+    the host wait for the stream, as does advanced indexing of a GPU tensor with host indices
+    (an implicit synchronising copy of the indices)."""
+
+    def __init__(self, cuda: RecordedCuda) -> None:
+        super().__init__()
+        self.cuda = cuda
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hop = copy_between_devices(func, args, kwargs)
+        if hop is not None:
+            self.cuda.log.append(("copy", self.cuda.current_stream().name, *hop))
+        return func(*args, **kwargs)
+
+
+def copy_between_devices(func, args, kwargs) -> tuple[str, str] | None:
+    """(how, where to) if `func` copies between devices, else None."""
+    aten = torch.ops.aten
+    if func is aten.index.Tensor:
+        indices = [i for i in args[1] if i is not None and i.device.type != args[0].device.type]
+        return ("synchronising", f"to {args[0].device.type}") if indices else None
+    if func is aten._to_copy.default:
+        source, target = args[0], kwargs.get("device", args[0].device)
+        non_blocking = kwargs.get("non_blocking", False)
+        pinned = target.type == "cpu" or source.is_pinned()
+    elif func is aten.copy_.default:
+        source, target = args[1], args[0].device
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        pinned = (args[0] if target.type == "cpu" else source).is_pinned()
+    else:
+        return None
+    if source.device.type == target.type:
+        return None
+    return ("async" if non_blocking and pinned else "synchronising"), f"to {target.type}"
+
+
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """`pin_memory()` on a CPU build (which cannot pin): a copy marked as pinned."""
+    copy = tensor.clone()
+    copy.pinned = True
+    return copy
+
+
 @pytest.fixture
 def recorded_cuda(fake_gpu, monkeypatch):
-    """Fake CUDA tensors with the copy bookkeeping of a real GPU: `devices` sees a GPU and its
-    CUDA calls are recorded."""
+    """Fake CUDA tensors with the copy bookkeeping of a real GPU: eagle_ray sees a GPU, and its
+    CUDA calls and copies are recorded."""
     import eagle_ray.devices as devices
 
     cuda = RecordedCuda()
     monkeypatch.setattr(devices, "_real_gpu", lambda device: device.type == "cuda")
-    monkeypatch.setattr(torch.cuda, "Event", cuda.Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", cuda.current_stream)
-    monkeypatch.setattr(torch.cuda, "synchronize", cuda.synchronize)
-    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)  # a CPU build cannot pin
-    return cuda
+    for name in ("Event", "Stream", "current_stream", "stream", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pinned_copy)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: getattr(self, "pinned", False))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    with RecordedCopies(cuda):
+        yield cuda
+
+
+def test_the_recorded_copies_tell_a_synchronising_copy_from_an_asynchronous_one(recorded_cuda):
+    """The control of the copy bookkeeping: what makes the host wait on a GPU is logged so."""
+    on_gpu = torch.empty(4, 8, device="cuda:0")
+    host = torch.arange(4)
+    host.to("cuda:0")
+    host.to("cuda:0", non_blocking=True)  # pageable: staged by the host
+    host.pin_memory().to("cuda:0", non_blocking=True)
+    on_gpu.to("cpu")
+    on_gpu.to("cpu", non_blocking=True)
+    torch.ops.aten.index.Tensor(on_gpu, [host])  # `on_gpu[host]`: the indices copied first
+    torch.ops.aten.index.Tensor(on_gpu, [host.pin_memory().to("cuda:0", non_blocking=True)])
+    stream = "stream of cuda:0"
+    assert recorded_cuda.log == [
+        ("copy", stream, "synchronising", "to cuda"), ("copy", stream, "synchronising", "to cuda"),
+        ("copy", stream, "async", "to cuda"), ("copy", stream, "synchronising", "to cpu"),
+        ("copy", stream, "async", "to cpu"), ("copy", stream, "synchronising", "to cuda"),
+        ("copy", stream, "async", "to cuda")]
 
 
 def test_a_copy_to_the_host_returns_only_once_an_event_behind_it_has_fired(recorded_cuda):
@@ -194,17 +290,20 @@ def test_a_copy_to_the_host_returns_only_once_an_event_behind_it_has_fired(recor
     on_gpu = [torch.empty(4, 8, device="cuda"), torch.empty(4, device="cuda")]
     moved = hand_over(on_gpu + [torch.empty(3)], "cpu")
     assert [t.device.type for t in moved] == ["cpu"] * 3
-    # One event per hop (the source's stream), waited for by the host; nothing device-wide.
-    assert recorded_cuda.log == [("record", "stream of cuda:0"), ("host waits",
-                                                                  "stream of cuda:0")]
+    # The copies overlap; one event per hop (the source's stream), waited for by the host;
+    # nothing device-wide.
+    stream = "stream of cuda:0"
+    assert recorded_cuda.log == [("copy", stream, "async", "to cpu")] * 2 + [
+        ("record", stream), ("host waits", stream)]
 
 
 def test_a_copy_to_the_gpu_and_a_copy_that_is_not_one_wait_for_nothing(recorded_cuda):
     from eagle_ray.devices import hand_over
 
-    moved = hand_over([torch.empty(4, 8), torch.empty(2, device="cuda")], "cuda:0")
+    moved = hand_over([torch.empty(4, 8).pin_memory(), torch.empty(2, device="cuda")], "cuda:0")
     assert [t.device.type for t in moved] == ["cuda", "cuda"]
-    assert recorded_cuda.log == [], "the GPU's stream orders what reads a host-to-device copy"
+    assert recorded_cuda.log == [("copy", "stream of cuda:0", "async", "to cuda")], \
+        "the GPU's stream orders what reads a host-to-device copy"
 
 
 def test_the_vllm_layout_waits_for_its_copies_before_the_host_reads_them(recorded_cuda):
@@ -229,30 +328,168 @@ def test_no_module_but_devices_issues_a_non_blocking_copy():
     assert offenders == []
 
 
+def host_tensor(buffers, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor from a use of `buffers` that no GPU reads."""
+    with buffers.use() as empty:
+        return empty(shape, dtype)
+
+
 def test_host_buffers_are_reused_only_once_nothing_views_them():
     """What a replica shifts supervision into: the same memory again for the next batch, but
     never while Ray may still read the last one (a numpy array derived from it)."""
     from eagle_ray.devices import HostBuffers
 
     buffers = HostBuffers(max_buffers=2)
-    first = buffers.empty((4, 8), torch.bfloat16)
+    first = host_tensor(buffers, (4, 8), torch.bfloat16)
     address = first.data_ptr()
     as_numpy = first.view(torch.int16).numpy()  # what `batch_to_numpy` hands Ray
     del first
-    second = buffers.empty((4, 8), torch.bfloat16)
+    second = host_tensor(buffers, (4, 8), torch.bfloat16)
     assert second.data_ptr() != address, "still viewed by the array"
     del as_numpy
-    third = buffers.empty((2, 8), torch.float32)  # as many bytes or fewer: the idle buffer
+    third = host_tensor(buffers, (2, 8), torch.float32)  # as many bytes or fewer: the idle one
     assert third.data_ptr() == address and third.shape == (2, 8)
-    assert buffers.empty((4, 8), torch.bfloat16).data_ptr() not in (address, second.data_ptr())
+    assert host_tensor(buffers, (4, 8), torch.bfloat16).data_ptr() not in (
+        address, second.data_ptr())
 
 
 def test_host_buffers_hand_out_the_smallest_idle_buffer_that_fits():
     from eagle_ray.devices import HostBuffers
 
     buffers = HostBuffers(max_buffers=3)
-    small, large = buffers.empty((8,), torch.float32), buffers.empty((16,), torch.float32)
+    small, large = host_tensor(buffers, (8,), torch.float32), host_tensor(buffers, (16,),
+                                                                           torch.float32)
     addresses = small.data_ptr(), large.data_ptr()
     del small, large
-    kept = [buffers.empty((5,), torch.float32), buffers.empty((12,), torch.float32)]
+    with buffers.use() as empty:  # both at once: neither is idle again before the use ends
+        kept = [empty((5,), torch.float32), empty((12,), torch.float32)]
     assert tuple(t.data_ptr() for t in kept) == addresses
+
+
+def unwaited_reuses(cuda: RecordedCuda) -> list[int]:
+    """Buffers handed out again while an asynchronous copy issued since they were last handed
+    out may still be running: the host has waited for no event recorded behind it on its
+    stream. (Any such copy counts, whatever it reads: a use's event covers them all.)"""
+    running: list[tuple[int, str]] = []  # (log index, stream) of copies not known to be done
+    handed_out: dict[int, int] = {}  # buffer -> log index of its last hand-out
+    reuses = []
+    for at, entry in enumerate(cuda.log):
+        if entry[:1] == ("copy",) and entry[2] == "async":
+            running.append((at, entry[1]))
+        elif entry[0] == "host waits":
+            running = [(copy, stream) for copy, stream in running
+                       if stream != entry[1] or copy > cuda.recorded_at[at]]
+        elif entry[0] == "hand out":
+            if entry[1] in handed_out and any(copy > handed_out[entry[1]] for copy, _ in running):
+                reuses.append(entry[1])
+            handed_out[entry[1]] = at
+    return reuses
+
+
+@pytest.mark.parametrize("fenced", [True, False], ids=["event per use", "control: none"])
+def test_host_buffers_are_reused_only_once_the_gpu_has_copied_them(recorded_cuda, monkeypatch,
+                                                                   fenced):
+    """A co-located vLLM backend (supervision on the engine's GPU): the rows are shifted into
+    host buffers, which non-blocking copies to the GPU still read after `generate_batch` has
+    returned. The next call reuses the buffers (its shift overwrites them) only once the host
+    has waited for an event recorded behind those copies. The control: without that event the
+    same bookkeeping sees the reuse with no wait. No self-check: its `.cpu()` would hide it."""
+    import eagle_ray.devices as devices
+    from eagle_ray.devices import HostBuffers
+
+    take = HostBuffers._take
+
+    def logged_take(self, nbytes):
+        buffer = take(self, nbytes)
+        recorded_cuda.log.append(("hand out", id(buffer)))
+        return buffer
+
+    monkeypatch.setattr(HostBuffers, "_take", logged_take)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: self.device.type == "cpu")
+    if not fenced:
+        monkeypatch.setattr(devices, "_reads_of", lambda readers: [])
+    backend = gpu_backend(layout="vllm_states_in_host_memory")
+    for _ in range(2):
+        batch = backend.generate_batch(*micro_batch("cpu"))
+        assert batch.aux_hidden_states.device.type == "cuda"
+    hand_outs = [entry[1] for entry in recorded_cuda.log if entry[0] == "hand out"]
+    assert len(hand_outs) == 4 and set(hand_outs[2:]) == set(hand_outs[:2]), hand_outs
+    assert (unwaited_reuses(recorded_cuda) == []) == fenced, recorded_cuda.log
+
+
+BLOCK, BLOCKS, KV_HEADS = 8, 12, 4
+
+
+class RecordedHandoff:
+    """What the connector publishes: each key's shape."""
+
+    def __init__(self) -> None:
+        self.published: dict[str, tuple[int, ...]] = {}
+
+    def publish(self, key: str, states: torch.Tensor) -> None:
+        self.published[key] = tuple(states.shape)
+
+
+def gather_through_aten(kv_cache, slots, num_tokens):
+    """vLLM's `extract_from_kv_cache` in aten calls (Python indexing of a fake CUDA tensor needs
+    a CUDA build)."""
+    block_size = kv_cache.shape[2]
+    index = [slots // block_size, None, slots % block_size]
+    return torch.ops.aten.index.Tensor(kv_cache, index).narrow(0, 0, num_tokens)
+
+
+def connector_for_step(lengths: dict[str, int]):
+    """vLLM's connector on a fake GPU's worker, bound to the metadata of a step in which the
+    requests of `lengths` (request -> tokens) finished, each with blocks of its own. Built
+    without its vLLM config: the worker-side state it reads is set as vLLM sets it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnectorMetadata,
+        PendingSave,
+    )
+
+    from eagle_ray.backends.vllm.connector import EagleRayHiddenStatesConnector
+
+    saves, next_block = [], 0
+    for req_id, tokens in lengths.items():
+        blocks = -(-tokens // BLOCK)
+        saves.append(PendingSave(req_id, "", torch.zeros(tokens, dtype=torch.long),
+                                 list(range(next_block, next_block + blocks))))
+        next_block += blocks
+    connector = object.__new__(EagleRayHiddenStatesConnector)
+    connector.__dict__.update(
+        _is_tp_rank_zero=True, _block_size=BLOCK, _engine_tag="step",
+        _kv_cache=torch.empty(BLOCKS, KV_HEADS, BLOCK, HIDDEN, device="cuda"),
+        _copy_stream=None, _executor=ThreadPoolExecutor(1), _handoff=RecordedHandoff(),
+        _req_copy_events={}, _req_futures={}, _accumulated_finished_req_ids=set(),
+        _lock_fds={}, use_lock=False,
+        _connector_metadata=ExampleHiddenStatesConnectorMetadata(pending_saves=saves))
+    return connector
+
+
+def test_the_connector_copies_a_steps_states_out_with_nothing_synchronising(recorded_cuda,
+                                                                            monkeypatch):
+    """vLLM's worker calls `get_finished` on its main thread once per engine step: the capture
+    queues its copies (the slots to the GPU, the states to the host) on the side stream behind
+    the forward, all asynchronous and one of each for the step's requests together; only the
+    publishing thread waits, for the copy's event. The recorded copies' control:
+    `test_the_recorded_copies_tell_a_synchronising_copy_from_an_asynchronous_one`."""
+    import eagle_ray.backends.vllm.connector as connector_module
+    from eagle_ray.backends.vllm.handoff import handoff_key
+
+    monkeypatch.setattr(connector_module, "extract_from_kv_cache", gather_through_aten)
+    lengths = {"part-of-a-block": 5, "one-block": 8, "several-blocks": 27}
+    connector = connector_for_step(lengths)
+    done, _ = connector.get_finished(set(lengths))
+    connector._executor.shutdown(wait=True)
+    log = recorded_cuda.log
+    copies = [entry for entry in log if entry[0] == "copy"]
+    assert copies == [("copy", "side stream", "async", "to cuda"),
+                      ("copy", "side stream", "async", "to cpu")], log
+    assert log.index(("stream waits", "side stream", "stream of cuda:0")) < log.index(copies[0])
+    assert log.index(copies[1]) < log.index(("host waits", "side stream"))
+    assert done == set(lengths)  # vLLM's poll sees each request's copy done
+    assert connector._handoff.published == {
+        handoff_key("step", req_id): (tokens, KV_HEADS, HIDDEN)
+        for req_id, tokens in lengths.items()}

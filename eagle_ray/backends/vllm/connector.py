@@ -8,21 +8,26 @@ load time; nothing in eagle_ray imports it.
 vLLM's `extract_hidden_states` speculative method writes the requested hidden states of every
 prompt token into a cache-only KV layer. When a request finishes, the scheduler side
 (`request_finished`) keeps its blocks alive and queues a save; on the next engine step the worker
-side (`get_finished` -> `_submit_async_write`) gathers the request's `[num_tokens, num_ids, H]`
-states from those blocks and publishes them through the engine's `handoff.Handoff`
-(a dictionary in this process, or files in `/dev/shm`). Only TP rank 0 publishes. On CPU the gather
-is synchronous; on GPU it is an asynchronous copy to pinned memory on a side stream, and the blocks
-are released only once that copy is done.
+side (`get_finished`) gathers the `[num_tokens, num_ids, H]` states of every request queued for
+that step in one pass from those blocks and publishes each request's through the engine's
+`handoff.Handoff` (a dictionary in this process, or files in `/dev/shm`). Only TP rank 0
+publishes. On CPU the gather is synchronous; on GPU nothing in it makes the worker's thread wait:
+the slots go to the GPU from pinned memory, and the gather and its copy to pinned host memory run
+on a side stream, all non-blocking; the blocks are released only once that copy is done.
 
 vLLM internals this relies on (read from vllm 0.32.0, `vllm/distributed/kv_transfer/kv_connector/
 v1/example_hidden_states_connector.py`; check them on every vLLM upgrade):
 
-- module members `ExampleHiddenStatesConnector`, `PendingSave` (`req_id`, `block_ids`,
-  `token_ids`) and `extract_from_kv_cache(kv_cache, slots, num_tokens)`;
-- the base class's private hook `_submit_async_write(pending)`, called by `get_finished` once per
-  finished request on the worker, and its state: `_kv_transfer_config`, `_is_tp_rank_zero`,
-  `_kv_cache`, `_block_size`, `_req_copy_events` (polled with `.query()`), `_req_futures`,
-  `_executor`, `_get_copy_stream()`, `_on_write_done(req_id, future)`, and `use_lock`;
+- module members `ExampleHiddenStatesConnector`, `ExampleHiddenStatesConnectorMetadata`
+  (`pending_saves`), `PendingSave` (`req_id`, `block_ids`, `token_ids`) and
+  `extract_from_kv_cache(kv_cache, slots, num_tokens)`;
+- `get_finished(finished_req_ids)` on the worker, with the step's metadata bound: it calls the
+  private hook `_submit_async_write(pending)` once per pending save (a no-op here: the override
+  has saved them all first), then drops each finished request that has no entry in
+  `_req_copy_events` and reports the others once their `.query()` is true;
+- the base class's state: `_kv_transfer_config`, `_is_tp_rank_zero`, `_kv_cache`, `_block_size`,
+  `_req_copy_events`, `_req_futures`, `_executor`, `_get_copy_stream()`,
+  `_on_write_done(req_id, future)`, and `use_lock`;
 - `request_finished(request, block_ids) -> (delay_free, kv_transfer_params)`, whose params reach
   the caller as `RequestOutput.kv_transfer_params`; the scheduler-side `Request.sampling_params`
   (`extra_args`), and the base class's `_request_filenames` (dropped for requests not captured).
@@ -30,11 +35,13 @@ v1/example_hidden_states_connector.py`; check them on every vLLM upgrade):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
+    ExampleHiddenStatesConnectorMetadata,
     PendingSave,
     extract_from_kv_cache,
 )
@@ -103,43 +110,75 @@ class EagleRayHiddenStatesConnector(ExampleHiddenStatesConnector):
 
     # Worker side -----------------------------------------------------------------------------
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Called by the worker once per engine step: saves the requests that finished before it
+        together (one gather, one copy; vLLM's loop would make one each), then lets vLLM poll
+        the copies."""
+        self._save(self._step_saves())
+        return super().get_finished(finished_req_ids)
+
     def _submit_async_write(self, pending: PendingSave) -> None:
-        """Called by `get_finished` on the worker per finished request: gather, publish."""
-        if not self._is_tp_rank_zero:
+        """vLLM's per-request save, which its `get_finished` calls after this class's has saved
+        the step's requests together: nothing left to do."""
+
+    def _step_saves(self) -> list[PendingSave]:
+        """The saves the scheduler queued for this step (what vLLM's `get_finished` submits)."""
+        if not self.has_connector_metadata():
+            return []
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, ExampleHiddenStatesConnectorMetadata):
+            return []
+        return metadata.pending_saves
+
+    def _save(self, saves: list[PendingSave]) -> None:
+        """Gather the states of every request in `saves` in one pass and publish each."""
+        if not saves or not self._is_tp_rank_zero:
             return
         assert self._kv_cache is not None
-        block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
-        offsets = torch.arange(self._block_size, dtype=torch.long)
-        num_tokens = pending.token_ids.shape[0]
-        # Only the request's own slots: the gather below is then its one copy (no trimming).
-        slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()[:num_tokens]
-        key = handoff_key(self._engine_tag, pending.req_id)
+        keys = [handoff_key(self._engine_tag, pending.req_id) for pending in saves]
+        lengths = [pending.token_ids.shape[0] for pending in saves]
+        slots = torch.cat([self._slots(pending) for pending in saves])
         if self._kv_cache.device.type == "cpu":
             # Advanced indexing gathers into a new tensor: nothing aliases the KV cache.
-            states = extract_from_kv_cache(self._kv_cache, slots, num_tokens)
-            self._handoff.publish(key, states)
-            self._req_copy_events[pending.req_id] = _Done()
+            states = extract_from_kv_cache(self._kv_cache, slots, len(slots))
+            self._publish(keys, states.split(lengths))
+            for pending in saves:
+                self._req_copy_events[pending.req_id] = _Done()
             return
-        self._submit_device_copy(pending.req_id, key, slots, num_tokens)
+        self._submit_device_copy([pending.req_id for pending in saves], keys, lengths, slots)
 
-    def _submit_device_copy(self, req_id: str, key: str, slots: torch.Tensor,
-                            num_tokens: int) -> None:
-        """GPU: the gather and its device-to-host copy on a side stream (after the forward that
-        wrote the states); published from a thread once the copy has landed."""
+    def _slots(self, pending: PendingSave) -> torch.Tensor:
+        """The KV-cache slots of the request's tokens, in order: only its own, so the gather is
+        its one copy (no trimming)."""
+        block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
+        offsets = torch.arange(self._block_size, dtype=torch.long)
+        slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()
+        return slots[:pending.token_ids.shape[0]]
+
+    def _submit_device_copy(self, req_ids: list[str], keys: list[str], lengths: list[int],
+                            slots: torch.Tensor) -> None:
+        """GPU: the slots' copy to the GPU (from pinned memory), the gather and its copy to the
+        host, queued on a side stream after the forward that wrote the states, none of them
+        waited for by this thread (a synchronising copy would stall the worker's main thread);
+        published from a thread once the copy has landed."""
         stream = self._get_copy_stream()
-        ready = torch.cuda.Event()
-        ready.record()
-        stream.wait_event(ready)
+        to_gpu = start_hand_over([slots], self._kv_cache.device, stream)  # after the forward
         with torch.cuda.stream(stream):
-            gathered = extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device),
-                                             num_tokens)
-            copy = start_hand_over([gathered], "cpu", stream)
-        self._req_copy_events[req_id] = copy  # vLLM polls `.query()`
+            (slots,) = to_gpu.result()
+            gathered = extract_from_kv_cache(self._kv_cache, slots, len(slots))
+        copy = start_hand_over([gathered], "cpu", stream)
 
         def finish() -> None:
             (host,) = copy.result()
-            self._handoff.publish(key, host)
+            self._publish(keys, host.split(lengths))
 
         future = self._executor.submit(finish)
-        self._req_futures[req_id] = future
-        future.add_done_callback(lambda f, r=req_id: self._on_write_done(r, f))
+        for req_id in req_ids:
+            self._req_copy_events[req_id] = copy  # vLLM polls `.query()`
+            self._req_futures[req_id] = future
+            future.add_done_callback(lambda f, r=req_id: self._on_write_done(r, f))
+
+    def _publish(self, keys: list[str], states: Sequence[torch.Tensor]) -> None:
+        """Each request's states under its own key (views of the step's one gather)."""
+        for key, request_states in zip(keys, states, strict=True):
+            self._handoff.publish(key, request_states)
