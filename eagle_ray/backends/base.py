@@ -50,6 +50,7 @@ __all__ = [
     "ENCODINGS", "NUM_AUX_LAYERS", "Eagle3TargetBatch", "EngineOutput", "Encoding",
     "RunnerEagle3TargetModel",
     "RunnerOutput", "Sampling", "SelfCheckError", "TargetRunner", "check_greedy_tokens",
+    "check_ranks_agree",
     "greedy_shortfall", "refused_rows",
     "default_eagle3_aux_layer_ids", "next_position_mask", "resolve_eagle3_aux_layer_ids",
     "shift_supervision", "validate_aux_layer_ids", "validate_eagle3_aux_layer_ids",
@@ -383,6 +384,35 @@ def check_greedy_tokens(next_token_ids: torch.Tensor, final_states: torch.Tensor
             "final state -> N), the final norm applied twice or not at all, or a dtype "
             "mismatch between the engine and the head. Pass self_check=False only to debug."
         )
+
+
+# The rank check's tolerance: TP ranks hold the same residual stream, so their captured rows are
+# equal in exact arithmetic; an all-reduce may sum the ranks' parts in another order on each
+# rank, which moves a bf16 value by a few of its ulps (2**-8 each), far below what a rank's
+# partial sum misses (at TP 2, about half of every layer's contribution).
+RANK_CHECK_RTOL = 2**-5
+
+
+def check_ranks_agree(rank_zero_rows: torch.Tensor, rank_rows: torch.Tensor, rank: int,
+                      capture_id: int) -> None:
+    """TP rank `rank`'s copy of a captured layer (`[requests, H]`, one row each) must equal rank
+    0's, the one the supervision comes from, within `RANK_CHECK_RTOL` of the row's largest
+    value. This covers an aux layer, which the greedy-token check (the final state) does not:
+    a capture that read one rank's partial sum -- what a compilation pass that rewrites the
+    all-reduce around the captured nodes could make of it -- differs between the ranks."""
+    expected, got = rank_zero_rows.float(), rank_rows.float()
+    scale = expected.abs().amax(dim=-1).clamp_min(1e-6)
+    error = (got - expected).abs().amax(dim=-1) / scale
+    bad = torch.nonzero(error > RANK_CHECK_RTOL).flatten().tolist()
+    if bad:
+        raise SelfCheckError(
+            f"rank check failed on {len(bad)} of {len(error)} requests: TP rank {rank}'s "
+            f"captured states of vLLM layer id {capture_id} differ from rank 0's by "
+            f"{float(error[bad[0]]):.3f} of their scale (request {bad[0]}), though every rank "
+            "holds the same residual stream. The capture read a rank's partial sum: a "
+            "compilation pass that rewrites the all-reduce (compilation_config.pass_config, "
+            "e.g. fuse_allreduce_rms) or a custom all-reduce is the likely cause; turn it off. "
+            "Pass self_check=False only to debug.")
 
 
 def _check_encoding(encoding: str, draft_vocab: DraftVocab | None) -> Encoding:

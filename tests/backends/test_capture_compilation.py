@@ -1,9 +1,9 @@
-"""A capture engine turns off the compilation passes no run has verified the capture under
-(issue 52, item 8): vLLM 0.32 turns its fused all-reduce + RMSNorm pass on by itself where
-TP > 1 on Hopper with flashinfer, and that pass rewrites the graph nodes the aux states are read
-from. A CPU never runs it (it needs CUDA, flashinfer and optimisation level 2), so these tests
-check the arguments the backend builds for vLLM; a pass the user sets explicitly is the control
-(vLLM's kwargs pass through)."""
+"""A capture engine turns off the compilation passes no run has verified the capture under,
+and with TP asks its ranks for the rank check (issue 52, item 8): vLLM 0.32 turns its fused
+all-reduce + RMSNorm pass on by itself where TP > 1 on Hopper with flashinfer, and that pass
+rewrites the graph nodes the aux states are read from. A CPU never runs it (it needs CUDA,
+flashinfer and optimisation level 2), so these tests check the arguments the backend builds for
+vLLM; a pass the user sets explicitly is the control (vLLM's kwargs pass through)."""
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ class Built(Exception):
     """Raised by the recorded `build_llm`: the engine's arguments are all the test needs."""
 
 
-def built_engine_kwargs(monkeypatch, tmp_path, vllm_kwargs) -> dict:
+def built_engine_kwargs(monkeypatch, tmp_path, vllm_kwargs, tp_size=2, **options) -> dict:
     recorded = {}
 
     def record(engine_kwargs, multiprocess, env=None):
@@ -27,8 +27,8 @@ def built_engine_kwargs(monkeypatch, tmp_path, vllm_kwargs) -> dict:
     monkeypatch.setattr(runner_module, "build_llm", record)
     with pytest.raises(Built):
         VLLMTargetRunner("/nonexistent/model", capture_ids=[1, 2, 3], hidden_size=64,
-                         dtype=torch.bfloat16, tp_size=2,
-                         vllm_kwargs=vllm_kwargs, handoff="file", handoff_dir=str(tmp_path))
+                         dtype=torch.bfloat16, tp_size=tp_size, vllm_kwargs=vllm_kwargs,
+                         handoff="file", handoff_dir=str(tmp_path), **options)
     return recorded
 
 
@@ -80,3 +80,16 @@ def test_vllms_own_config_objects_are_turned_off_too():
     # vLLM applies its defaults only where a pass is None: ours survives its post-init.
     assert CompilationConfig(**capture_compilation_config(None)).pass_config \
         .fuse_allreduce_rms is False
+
+
+@pytest.mark.parametrize(("tp_size", "check_ranks", "asked"), [
+    (2, True, True), (2, False, False), (1, True, False)],
+    ids=["tp2", "tp2-self-check-off", "tp1"])
+def test_the_connector_is_asked_for_the_rank_check_under_tensor_parallelism(
+        monkeypatch, tmp_path, tp_size, check_ranks, asked):
+    """TP ranks past the first publish their copy of the first captured layer for the runner
+    to compare (tests/backends/test_vllm_target.py runs it at TP 2); not with one rank, nor
+    with the self-check off (`VLLMEagle3TargetModel`'s `self_check`)."""
+    kwargs = built_engine_kwargs(monkeypatch, tmp_path, {}, tp_size=tp_size,
+                                 multiprocess=True, check_ranks=check_ranks)
+    assert kwargs["kv_transfer_config"]["kv_connector_extra_config"]["check_ranks"] is asked

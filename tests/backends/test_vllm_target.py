@@ -13,8 +13,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from eagle_ray.backends.base import RunnerEagle3TargetModel, SelfCheckError
+from eagle_ray.backends.base import RunnerEagle3TargetModel, SelfCheckError, check_ranks_agree
 from eagle_ray.backends.hf import HFEagle3TargetModel
+from eagle_ray.backends.vllm import runner as runner_module
 from eagle_ray.backends.vllm.handoff import SHM_DIR, InProcessHandoff, ShmRingHandoff, ring_name
 from eagle_ray.backends.vllm.target import VLLMEagle3TargetModel
 from eagle_ray.contract.target_head import TargetHead
@@ -121,7 +122,7 @@ def test_embedding_and_head_come_from_the_checkpoint(vllm_llama, hf_llama):
 
 
 def test_tensor_parallel_two_with_one_aux_layer_equals_hf_and_sweeps_a_killed_ring(
-        llama_path, hf_llama):
+        llama_path, hf_llama, monkeypatch):
     def ours():  # vLLM and torch keep their own entries there too
         return {name for name in os.listdir(SHM_DIR) if name.startswith("eagle_ray-")}
     before = ours()
@@ -139,9 +140,23 @@ def test_tensor_parallel_two_with_one_aux_layer_equals_hf_and_sweeps_a_killed_ri
         # One aux layer (the fewest a draft can read), captured through both ranks.
         reference_backend = HFEagle3TargetModel(hf_llama.model, aux_layer_ids=[2])
         batch_args = random_micro_batch(target.vocab_size, (18, 6, 29))
+        rank_checks = []
+
+        def recorded(rank_zero, rows, rank, capture_id):
+            rank_checks.append((rank_zero, rows, rank, capture_id))
+            check_ranks_agree(rank_zero, rows, rank, capture_id)
+        monkeypatch.setattr(runner_module, "check_ranks_agree", recorded)
         assert_matches_reference(target.generate_batch(*batch_args),
                                  reference_backend.generate_batch(*batch_args),
                                  hf_llama.get_target_head())
+        # The self-check's cover of the aux layer: rank 1's own copy of it, compared.
+        ((rank_zero, rows, rank, capture_id),) = rank_checks
+        assert (rank, capture_id, tuple(rows.shape)) == (1, 3, (3, target.runner.hidden_size))
+        torch.testing.assert_close(rows, rank_zero, rtol=0, atol=1e-6)
+        assert target.runner.handoff.keys(target.runner.key_prefix) == [
+            ring_name(target.runner.key_prefix)], "every request's states and rows taken"
+        with pytest.raises(SelfCheckError, match="rank 1.*layer id 3"):  # a partial sum fails
+            check_ranks_agree(rank_zero, rank_zero / 2, 1, 3)
     finally:
         target.shutdown()
     assert ours() - before == set(), "shutdown removes the ring"

@@ -438,7 +438,7 @@ def gather_through_aten(kv_cache, slots, num_tokens):
     return torch.ops.aten.index.Tensor(kv_cache, index).narrow(0, 0, num_tokens)
 
 
-def connector_for_step(lengths: dict[str, int]):
+def connector_for_step(lengths: dict[str, int], rank: int = 0):
     """vLLM's connector on a fake GPU's worker, bound to the metadata of a step in which the
     requests of `lengths` (request -> tokens) finished, each with blocks of its own. Built
     without its vLLM config: the worker-side state it reads is set as vLLM sets it."""
@@ -459,7 +459,8 @@ def connector_for_step(lengths: dict[str, int]):
         next_block += blocks
     connector = object.__new__(EagleRayHiddenStatesConnector)
     connector.__dict__.update(
-        _is_tp_rank_zero=True, _block_size=BLOCK, _engine_tag="step",
+        _is_tp_rank_zero=rank == 0, _tp_rank=rank, _check_ranks=True,
+        _rank_rows=RecordedHandoff(), _block_size=BLOCK, _engine_tag="step",
         _kv_cache=torch.empty(BLOCKS, KV_HEADS, BLOCK, HIDDEN, device="cuda"),
         _copy_stream=None, _executor=ThreadPoolExecutor(1), _handoff=RecordedHandoff(),
         _req_copy_events={}, _req_futures={}, _accumulated_finished_req_ids=set(),
@@ -493,3 +494,28 @@ def test_the_connector_copies_a_steps_states_out_with_nothing_synchronising(reco
     assert connector._handoff.published == {
         handoff_key("step", req_id): (tokens, KV_HEADS, HIDDEN)
         for req_id, tokens in lengths.items()}
+
+
+def test_a_later_tp_rank_publishes_its_rank_check_rows_with_nothing_synchronising(
+        recorded_cuda, monkeypatch):
+    """A TP rank past the first copies one captured row per request (the rank check's) out of
+    its KV cache on the stream that ran the forward -- it reports nothing to vLLM, so rank 0
+    decides when the blocks are freed, and the next forward that could reuse them queues behind
+    the gather -- asynchronously; only the publishing thread waits."""
+    import eagle_ray.backends.vllm.connector as connector_module
+    from eagle_ray.backends.vllm.handoff import handoff_key, rank_check_key
+
+    monkeypatch.setattr(connector_module, "extract_from_kv_cache", gather_through_aten)
+    lengths = {"short": 5, "long": 27}
+    connector = connector_for_step(lengths, rank=1)
+    done, _ = connector.get_finished(set(lengths))
+    connector._executor.shutdown(wait=True)
+    log = recorded_cuda.log
+    copies = [entry for entry in log if entry[0] == "copy"]
+    assert copies == [("copy", "stream of cuda:0", "async", "to cuda"),
+                      ("copy", "stream of cuda:0", "async", "to cpu")], log
+    assert log.index(copies[1]) < log.index(("host waits", "stream of cuda:0"))
+    assert done is None, "this rank reports no request to vLLM"
+    assert connector._handoff.published == {}, "rank 0 alone publishes states"
+    assert connector._rank_rows.published == {
+        rank_check_key(handoff_key("step", req_id), 1): (HIDDEN,) for req_id in lengths}

@@ -11,9 +11,11 @@ prompt token into a cache-only KV layer. When a request finishes, the scheduler 
 side (`get_finished`) gathers the `[num_tokens, num_ids, H]` states of every request queued for
 that step in one pass from those blocks and publishes each request's through the engine's
 `handoff.Handoff` (a dictionary in this process, or files in `/dev/shm`). Only TP rank 0
-publishes. On CPU the gather is synchronous; on GPU nothing in it makes the worker's thread wait:
-the slots go to the GPU from pinned memory, and the gather and its copy to pinned host memory run
-on a side stream, all non-blocking; the blocks are released only once that copy is done.
+publishes states; with `check_ranks` the other ranks publish their copy of one captured row per
+request, which the runner compares with rank 0's (`_publish_rank_check`). On CPU the gather is
+synchronous; on GPU nothing in it makes the worker's thread wait: the slots go to the GPU from
+pinned memory, and the gather and its copy to pinned host memory run on a side stream, all
+non-blocking; the blocks are released only once that copy is done.
 
 vLLM internals this relies on (read from vllm 0.32.0, `vllm/distributed/kv_transfer/kv_connector/
 v1/example_hidden_states_connector.py`; check them on every vLLM upgrade):
@@ -30,7 +32,10 @@ v1/example_hidden_states_connector.py`; check them on every vLLM upgrade):
   `_on_write_done(req_id, future)`, and `use_lock`;
 - `request_finished(request, block_ids) -> (delay_free, kv_transfer_params)`, whose params reach
   the caller as `RequestOutput.kv_transfer_params`; the scheduler-side `Request.sampling_params`
-  (`extra_args`), and the base class's `_request_filenames` (dropped for requests not captured).
+  (`extra_args`), and the base class's `_request_filenames` (dropped for requests not captured);
+- `get_finished_count() == 1`: one rank's report frees a request's blocks, so the ranks past the
+  first report nothing, and `register_kv_caches(kv_caches)` runs after distributed init (where
+  `get_tensor_model_parallel_rank()` answers).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     ExampleHiddenStatesConnectorMetadata,
@@ -49,8 +55,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from eagle_ray.backends.vllm.handoff import (
     CAPTURE_ARG,
     PARAMS_KEY,
+    Handoff,
     handoff_from_config,
     handoff_key,
+    rank_check_handoff,
+    rank_check_key,
 )
 from eagle_ray.devices import start_hand_over
 
@@ -88,6 +97,9 @@ class EagleRayHiddenStatesConnector(ExampleHiddenStatesConnector):
                              f"VLLMEagle3TargetModel")
         self._handoff = handoff_from_config(handoff)
         self._engine_tag = extra("engine_tag", "default")
+        self._check_ranks = bool(extra("check_ranks", False))  # TP ranks > 0 publish a row
+        self._rank_rows = rank_check_handoff(self._handoff)  # where they publish it
+        self._tp_rank = 0  # known once the worker registers its caches
         self.use_lock = False  # readers wait for the hand-off, not for a file lock
 
     # Scheduler side --------------------------------------------------------------------------
@@ -130,9 +142,20 @@ class EagleRayHiddenStatesConnector(ExampleHiddenStatesConnector):
             return []
         return metadata.pending_saves
 
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Called by the worker once its KV caches exist (after distributed init): the base class
+        binds the capture layer's cache; this one also learns its TP rank."""
+        super().register_kv_caches(kv_caches)
+        self._tp_rank = get_tensor_model_parallel_rank()
+
     def _save(self, saves: list[PendingSave]) -> None:
-        """Gather the states of every request in `saves` in one pass and publish each."""
-        if not saves or not self._is_tp_rank_zero:
+        """Gather the states of every request in `saves` in one pass and publish each (TP rank
+        0); the other ranks publish their rank check's rows, when asked to."""
+        if not saves:
+            return
+        if not self._is_tp_rank_zero:
+            if self._check_ranks:
+                self._publish_rank_check(saves)
             return
         assert self._kv_cache is not None
         keys = [handoff_key(self._engine_tag, pending.req_id) for pending in saves]
@@ -146,6 +169,27 @@ class EagleRayHiddenStatesConnector(ExampleHiddenStatesConnector):
                 self._req_copy_events[pending.req_id] = _Done()
             return
         self._submit_device_copy([pending.req_id for pending in saves], keys, lengths, slots)
+
+    def _publish_rank_check(self, saves: list[PendingSave]) -> None:
+        """This rank's copy of the first captured layer at each request's last token, published
+        under `rank_check_key` for the runner to compare with rank 0's: the residual stream is
+        the same on every rank, so a capture that read one rank's partial sum (what a graph
+        rewrite around the all-reduce could make of it) differs. This rank reports nothing to
+        vLLM, so rank 0's copy decides when the blocks are freed; the gather is queued on the
+        current stream, behind the forward that wrote the states and before any later forward
+        that could reuse the blocks, and nothing on this thread waits."""
+        keys = [rank_check_key(handoff_key(self._engine_tag, pending.req_id), self._tp_rank)
+                for pending in saves]
+        last = torch.stack([self._slots(pending)[-1] for pending in saves])
+        if self._kv_cache.device.type == "cpu":
+            rows = extract_from_kv_cache(self._kv_cache, last, len(last)).select(1, 0)
+            self._publish(keys, rows, self._rank_rows)
+            return
+        stream = torch.cuda.current_stream(self._kv_cache.device)
+        (last,) = start_hand_over([last], self._kv_cache.device, stream).result()
+        rows = extract_from_kv_cache(self._kv_cache, last, len(last)).select(1, 0)
+        copy = start_hand_over([rows], "cpu", stream)
+        self._executor.submit(lambda: self._publish(keys, copy.result()[0], self._rank_rows))
 
     def _slots(self, pending: PendingSave) -> torch.Tensor:
         """The KV-cache slots of the request's tokens, in order: only its own, so the gather is
@@ -178,7 +222,9 @@ class EagleRayHiddenStatesConnector(ExampleHiddenStatesConnector):
             self._req_futures[req_id] = future
             future.add_done_callback(lambda f, r=req_id: self._on_write_done(r, f))
 
-    def _publish(self, keys: list[str], states: Sequence[torch.Tensor]) -> None:
-        """Each request's states under its own key (views of the step's one gather)."""
+    def _publish(self, keys: list[str], states: Sequence[torch.Tensor],
+                 handoff: Handoff | None = None) -> None:
+        """Each request's states under its own key (views of the step's one gather), through
+        the engine's hand-off unless told another."""
         for key, request_states in zip(keys, states, strict=True):
-            self._handoff.publish(key, request_states)
+            (handoff or self._handoff).publish(key, request_states)

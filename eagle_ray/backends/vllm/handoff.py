@@ -66,6 +66,13 @@ def handoff_key(engine_tag: str, request_id: str) -> str:
     return f"eagle_ray-{engine_tag}-{request_id}"
 
 
+def rank_check_key(key: str, rank: int) -> str:
+    """Name under which TP rank `rank` (> 0) publishes its own copy of one captured row of the
+    request published under `key`, for the runner to compare with rank 0's (`discard(key)`
+    drops it too)."""
+    return f"{key}@rank{rank}"
+
+
 class Handoff(abc.ABC):
     """A place the connector publishes `[num_tokens, num_ids, H]` states to, keyed by request."""
 
@@ -277,6 +284,12 @@ class ShmRingHandoff(Handoff):
 
     def _record_path(self, key: str) -> str:
         return os.path.join(self.directory, key)
+
+
+def rank_check_handoff(handoff: Handoff) -> FileHandoff:
+    """Where TP ranks past the first publish their rank check's rows (`rank_check_key`): a file
+    each, beside `handoff`'s own records (a shared-memory ring has one writer, rank 0)."""
+    return FileHandoff(getattr(handoff, "directory", SHM_DIR))
 
 
 def choose_handoff(kind: str | None, *, same_process: bool, key_prefix: str,

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from eagle_ray.backends.base import RunnerOutput, Sampling, TargetRunner
+from eagle_ray.backends.base import RunnerOutput, Sampling, TargetRunner, check_ranks_agree
 from eagle_ray.backends.vllm.engine_args import (
     TP_EXECUTOR,
     capture_compilation_config,
@@ -33,6 +33,8 @@ from eagle_ray.backends.vllm.handoff import (
     Handoff,
     choose_handoff,
     handoff_key,
+    rank_check_handoff,
+    rank_check_key,
 )
 from eagle_ray.data.tokenizer_files import serves_without_tokenizer
 
@@ -174,6 +176,7 @@ class VLLMTargetRunner(TargetRunner):
         max_model_len_hint: int = 0,
         max_call_tokens: int = DEFAULT_CALL_TOKENS,
         object_store_bytes: int = 0,
+        check_ranks: bool = True,
     ) -> None:
         from vllm.platforms import current_platform
 
@@ -184,6 +187,10 @@ class VLLMTargetRunner(TargetRunner):
             raise ValueError(f"tp_size={tp_size} disagrees with vllm_kwargs "
                              f"tensor_parallel_size={tp_from_kwargs}; pass one of them")
         self.capture_ids = list(capture_ids)
+        self.tp_size = tp_size
+        # With TP, every micro-batch's rows of the first captured layer on each rank are
+        # compared with rank 0's (`check_ranks_agree`): the self-check's cover of an aux layer.
+        self.check_ranks = check_ranks and tp_size > 1
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.is_cpu = current_platform.is_cpu()
@@ -231,6 +238,7 @@ class VLLMTargetRunner(TargetRunner):
                 "kv_connector_extra_config": {
                     "handoff": self.handoff.to_config(),
                     "engine_tag": self.engine_tag,
+                    "check_ranks": self.check_ranks,
                 },
             },
         )
@@ -277,6 +285,8 @@ class VLLMTargetRunner(TargetRunner):
             if not self.multiprocess:
                 self._drain()
             states = [self._take(key, n) for key, n in zip(keys, lengths, strict=True)]
+            if self.check_ranks:
+                self._check_ranks(keys, states)
         except BaseException:
             for key in keys:
                 if key is not None:
@@ -314,17 +324,32 @@ class VLLMTargetRunner(TargetRunner):
         while scheduler.has_requests():
             engine.step()
 
+    def _check_ranks(self, keys: list[str], states: list[torch.Tensor]) -> None:
+        """Each TP rank's copy of the first captured layer at every request's last token
+        (published by the connector) against rank 0's, which the supervision comes from."""
+        rank_zero = torch.stack([request_states[-1, 0] for request_states in states])
+        published = rank_check_handoff(self.handoff)
+        for rank in range(1, self.tp_size):
+            rows = torch.stack([self._wait_for(rank_check_key(key, rank), (self.hidden_size,),
+                                               published) for key in keys])
+            check_ranks_agree(rank_zero, rows, rank, min(self.capture_ids))
+
     def _take(self, key: str | None, num_tokens: int) -> torch.Tensor:
         if key is None:
             raise RuntimeError(
                 "vLLM returned no hidden-state key for a request: the eagle_ray KV connector is "
                 "not active in this engine (kv_transfer_config overridden?)"
             )
-        shape = (num_tokens, len(self.capture_ids), self.hidden_size)
+        return self._wait_for(key, (num_tokens, len(self.capture_ids), self.hidden_size),
+                              self.handoff)
+
+    def _wait_for(self, key: str, shape: tuple[int, ...], handoff: Handoff) -> torch.Tensor:
+        """What the connector published under `key` in `handoff`, once it is there (`shape`,
+        checked)."""
         deadline = time.monotonic() + HANDOFF_TIMEOUT_S
         delay = 1e-4
         while True:
-            states = self.handoff.take(key, shape, self.dtype)
+            states = handoff.take(key, shape, self.dtype)
             if states is not None:
                 break
             if time.monotonic() > deadline:
@@ -334,7 +359,7 @@ class VLLMTargetRunner(TargetRunner):
             delay = min(delay * 2, 0.01)
         if tuple(states.shape) != shape:
             raise RuntimeError(f"vLLM handed back hidden states of shape {list(states.shape)} "
-                               f"for a request of {num_tokens} tokens; expected {list(shape)}")
+                               f"under {key}; expected {list(shape)}")
         return states
 
     @property

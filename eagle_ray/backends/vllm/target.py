@@ -70,7 +70,8 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
             encoding: the default target encoding of `generate_batch`.
             draft_vocab: the draft vocabulary, for the "target_probs" encoding.
             self_check: compare vLLM's greedy token with the head over the captured final state
-                on every micro-batch (`SelfCheckError` on a mismatch); turn off only to debug.
+                on every micro-batch, and with TP each rank's copy of the first captured aux
+                layer with rank 0's (`SelfCheckError` on a mismatch); turn off only to debug.
             **runner_options: where the engine core runs and how captured states come back
                 (`multiprocess`, `handoff`, `handoff_dir`, `handoff_ring_bytes`,
                 `max_call_tokens`, `object_store_bytes`: `runner.VLLMTargetRunner`).
@@ -86,7 +87,7 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
             str(model_path), capture_ids, text_config.hidden_size, torch_dtype, tp_size=tp_size,
             trust_remote_code=trust_remote_code, vllm_kwargs=vllm_kwargs,
             max_model_len_hint=getattr(text_config, "max_position_embeddings", 0) or 0,
-            **runner_options,
+            check_ranks=self_check, **runner_options,
         )
         if not runner.is_cpu and torch.cuda.is_available():
             # The head (and the self-check, and logits / target_probs decoding) on the engine's
