@@ -469,6 +469,18 @@ def connector_for_step(lengths: dict[str, int], rank: int = 0):
     return connector
 
 
+def connector_step(recorded_cuda, monkeypatch, lengths: dict[str, int], rank: int = 0):
+    """(the connector, what its `get_finished` reported, the copies it made) for one engine
+    step on TP rank `rank` in which the requests of `lengths` finished."""
+    import eagle_ray.backends.vllm.connector as connector_module
+
+    monkeypatch.setattr(connector_module, "extract_from_kv_cache", gather_through_aten)
+    connector = connector_for_step(lengths, rank)
+    done, _ = connector.get_finished(set(lengths))
+    connector._executor.shutdown(wait=True)
+    return connector, done, [entry for entry in recorded_cuda.log if entry[0] == "copy"]
+
+
 def test_the_connector_copies_a_steps_states_out_with_nothing_synchronising(recorded_cuda,
                                                                             monkeypatch):
     """vLLM's worker calls `get_finished` on its main thread once per engine step: the capture
@@ -476,16 +488,11 @@ def test_the_connector_copies_a_steps_states_out_with_nothing_synchronising(reco
     the forward, all asynchronous and one of each for the step's requests together; only the
     publishing thread waits, for the copy's event. The recorded copies' control:
     `test_the_recorded_copies_tell_a_synchronising_copy_from_an_asynchronous_one`."""
-    import eagle_ray.backends.vllm.connector as connector_module
     from eagle_ray.backends.vllm.handoff import handoff_key
 
-    monkeypatch.setattr(connector_module, "extract_from_kv_cache", gather_through_aten)
     lengths = {"part-of-a-block": 5, "one-block": 8, "several-blocks": 27}
-    connector = connector_for_step(lengths)
-    done, _ = connector.get_finished(set(lengths))
-    connector._executor.shutdown(wait=True)
+    connector, done, copies = connector_step(recorded_cuda, monkeypatch, lengths)
     log = recorded_cuda.log
-    copies = [entry for entry in log if entry[0] == "copy"]
     assert copies == [("copy", "side stream", "async", "to cuda"),
                       ("copy", "side stream", "async", "to cpu")], log
     assert log.index(("stream waits", "side stream", "stream of cuda:0")) < log.index(copies[0])
@@ -502,16 +509,11 @@ def test_a_later_tp_rank_publishes_its_rank_check_rows_with_nothing_synchronisin
     its KV cache on the stream that ran the forward -- it reports nothing to vLLM, so rank 0
     decides when the blocks are freed, and the next forward that could reuse them queues behind
     the gather -- asynchronously; only the publishing thread waits."""
-    import eagle_ray.backends.vllm.connector as connector_module
     from eagle_ray.backends.vllm.handoff import handoff_key, rank_check_key
 
-    monkeypatch.setattr(connector_module, "extract_from_kv_cache", gather_through_aten)
     lengths = {"short": 5, "long": 27}
-    connector = connector_for_step(lengths, rank=1)
-    done, _ = connector.get_finished(set(lengths))
-    connector._executor.shutdown(wait=True)
+    connector, done, copies = connector_step(recorded_cuda, monkeypatch, lengths, rank=1)
     log = recorded_cuda.log
-    copies = [entry for entry in log if entry[0] == "copy"]
     assert copies == [("copy", "stream of cuda:0", "async", "to cuda"),
                       ("copy", "stream of cuda:0", "async", "to cpu")], log
     assert log.index(copies[1]) < log.index(("host waits", "stream of cuda:0"))
