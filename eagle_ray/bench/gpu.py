@@ -9,7 +9,7 @@
 - `draft_step`: the draft's training step at the recipe's shape (2 x 4096 tokens, 7 TTT steps)
   with the linear-memory attention and the materialised one it replaced: tokens/s, peak memory,
   in bf16 autocast and fp32;
-- `self_check`: the self-check's rule (`backends.base.refused_rows`) over 1,024 rows of a bf16
+- `self_check`: the self-check's rule (`backends.self_check.refused_rows`) over 1,024 rows of a bf16
   model in vLLM's layout: the model's own greedy token (its full forward) against the head on
   the captured final state: correct captures refused (false alarms);
 - `learner_step`: the training loop's own learner (`DraftLearner`, bf16 autocast) at the
@@ -164,7 +164,7 @@ def host_rows_backend(model, draft_vocab=None, self_check: bool = False
 
 def self_check(device: torch.device, shape, rows: int = 1024) -> None:
     """Correct captures the self-check refuses, in bf16 on `device` (fp32 on the CPU)."""
-    from eagle_ray.backends.base import refused_rows
+    from eagle_ray.backends.self_check import refused_rows
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = host_rows_backend(_llama(shape, dtype, device, layers=8))

@@ -5,7 +5,7 @@ rows it catches with a capture one layer off (the classic layer-id convention bu
 Each target runs on one vLLM engine (the CPU build here) that captures two states per row:
 vLLM's id `N` (the final pre-norm state, the right capture) and id `N - 1` (the input of the last
 layer: what a canonical id passed untranslated captures). The check's per-row rule
-(`eagle_ray.backends.base.refused_rows`) is applied to the target head over each, against the
+(`eagle_ray.backends.self_check.refused_rows`) is applied to the target head over each, against the
 engine's own greedy token. Two targets: the kit's tiny Llama (hidden 128, vocabulary 1,024), and
 a randomly initialised Llama with Llama-3.1-8B's hidden size, vocabulary and layer shapes but two
 layers (the head's rounding depends on the hidden size and the vocabulary; the weights need not
@@ -117,7 +117,7 @@ def count(engine: TwoStateEngine, rows: int, seed: int = 0) -> dict[str, Any]:
     off, rows whose one-layer-off argmax equals the engine's token (no rule can catch those),
     and how far short of the best logit the right capture's engine token fell at worst, in
     units of the rule's tolerance (the check refuses above 1)."""
-    from eagle_ray.backends.base import greedy_shortfall, refused_rows
+    from eagle_ray.backends.self_check import greedy_shortfall, refused_rows
 
     dtype = engine.head.lm_head.weight.dtype
     totals: dict[str, Any] = {"rows": 0, "refused_right": 0, "caught_off_by_one": 0,
@@ -141,7 +141,7 @@ def run(model_path: str, rows: int = 1024, dtype: str = "bfloat16",
     """The self-check's false refusals (right capture) and catches (one layer off) on the real
     vLLM engine, on the tiny target (unless not `tiny`) and a Llama-3.1-8B-shaped one (`wide`:
     other shapes)."""
-    from eagle_ray.backends.base import SELF_CHECK_RULE
+    from eagle_ray.backends.self_check import SELF_CHECK_RULE
 
     shape = {**WIDE_SHAPE, **(wide or {})}
     targets = {"tiny-llama": lambda: Path(model_path)} if tiny else {}

@@ -2,6 +2,7 @@
 target's `eagle3` speculative model, chain drafting `k` tokens, at a sampling temperature, over a
 set of prompts answered turn by turn; per prompt from vLLM's per-request counters, then pooled
 (1 + accepted / verify steps, vLLM's own definition) with a 95 % bootstrap interval over prompts.
+The greedy reference is the same engine without the draft (`reference_engine`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from eagle_ray.backends.base import Sampling
 from eagle_ray.console import native_output_to_log
 from eagle_ray.data.chat import prompt_for_turn
 from eagle_ray.draft.serving import DraftServing
@@ -134,9 +136,9 @@ def vllm_acceptance_table(
     greedy answers without speculation; speculation must not change them; `reference` answers
     None for a prompt it does not know, which counts as changed)."""
     rows = []
-    max_model_len = _max_model_len(serving.model_path, prompts, tokenizer, max_new_tokens)
+    max_model_len = eval_max_model_len(serving.model_path, prompts, tokenizer, max_new_tokens)
     for k in ks:
-        with _spec_engine(serving, k, max_model_len, seed) as llm:
+        with evaluation_engine(serving, k, max_model_len, seed) as llm:
             for temperature in temperatures:
                 rows.append(_measure(llm, prompts, tokenizer, k, temperature, max_new_tokens,
                                      stop_token_ids, reference, bootstrap_samples, seed))
@@ -149,20 +151,12 @@ def vllm_acceptance_table(
 def _measure(llm, prompts: Sequence[EvalPrompt], tokenizer, k: int, temperature: float,
              max_new_tokens: int, stop_token_ids: Sequence[int], reference: Answerer | None,
              bootstrap_samples: int, seed: int) -> dict[str, Any]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    # No per-request seed: on vLLM 0.32's CPU build a seeded request's sampled verify steps
-    # draw skewed uniforms and leave the target's distribution (docs/training.md, "vLLM at
-    # temperature 1"); the engine's own seed (`_spec_engine`) keeps a run reproducible.
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
-                            stop_token_ids=list(stop_token_ids), detokenize=False)
+    sampling = Sampling(max_new_tokens, temperature, stop_token_ids=tuple(stop_token_ids))
     tallies = [AcceptanceTally.empty(k) for _ in prompts]
     greedy_equal: list[bool] = []
 
     def answer(owners: list[int], batch: list[list[int]]) -> list[list[int]]:
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], params,
-                               use_tqdm=False)
+        outputs = _generate(llm, batch, sampling)
         answers = [list(o.outputs[0].token_ids) for o in outputs]
         for i, output in zip(owners, outputs, strict=True):
             metrics = output.outputs[0].spec_decode_metrics
@@ -184,11 +178,26 @@ def _measure(llm, prompts: Sequence[EvalPrompt], tokenizer, k: int, temperature:
     return row
 
 
-def _max_model_len(model_path: str, prompts: Sequence[EvalPrompt], tokenizer,
-                   max_new_tokens: int) -> int:
+def _generate(llm, prompts: list[list[int]], sampling: Sampling) -> list[Any]:
+    """vLLM's outputs for token-id prompts. No per-request seed: on vLLM 0.32's CPU build a
+    seeded request's sampled verify steps draw skewed uniforms and leave the target's
+    distribution (docs/training.md, "vLLM at temperature 1"); the engine's own seed
+    (`evaluation_engine`) keeps a run reproducible."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                            top_p=sampling.top_p, stop_token_ids=list(sampling.stop_token_ids),
+                            detokenize=False)
+    return llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params,
+                        use_tqdm=False)
+
+
+def eval_max_model_len(model_path: str, prompts: Sequence[EvalPrompt], tokenizer,
+                       max_new_tokens: int, extra_tokens: int = 0) -> int:
     """Room for the longest prompt with every turn answered in full (and a few tokens of the
-    template's around each answer), within the target's positions: sized for these prompts, not
-    the checkpoint's 131,072 positions a Llama-3.1 would claim
+    template's around each answer), and `extra_tokens` more, within the target's positions:
+    sized for these prompts, not the checkpoint's 131,072 positions a Llama-3.1 would claim
     (`eagle_ray.backends.sizing`)."""
     from transformers import AutoConfig
 
@@ -199,20 +208,48 @@ def _max_model_len(model_path: str, prompts: Sequence[EvalPrompt], tokenizer,
     longest = max(rendered(p) + len(p.turns) * (max_new_tokens + TEMPLATE_TOKENS_PER_TURN)
                   for p in prompts)
     positions = AutoConfig.from_pretrained(model_path).get_text_config().max_position_embeddings
-    return min(longest + 1, positions)
+    return min(longest + 1 + extra_tokens, positions)
 
 
 @contextlib.contextmanager
-def _spec_engine(serving: DraftServing, k: int, max_model_len: int, seed: int
-                 ) -> Iterator[Any]:
+def evaluation_engine(serving: DraftServing, k: int | None, max_model_len: int, seed: int
+                      ) -> Iterator[Any]:
     """vLLM serving the draft as the target's speculative model with `k` tokens per step (as
-    `serving.command(k)` does), keeping per-request acceptance counters, its sampling seeded
-    with `seed`."""
+    `serving.command(k)` does), keeping per-request acceptance counters; with `k` None the same
+    engine without the draft (the reference). Its sampling seeded with `seed`; shut down on
+    exit, so the next engine gets the device."""
     from eagle_ray.backends.vllm.runner import serving_engine
 
+    kwargs = serving.target_engine_kwargs() if k is None else {
+        **serving.engine_kwargs(k), "per_request_spec_decode_metrics": "summary"}
     with contextlib.ExitStack() as stack:
         with native_output_to_log():
             llm = stack.enter_context(serving_engine({
-                **serving.engine_kwargs(k), "max_model_len": max_model_len, "seed": seed,
-                "per_request_spec_decode_metrics": "summary"}))
+                **kwargs, "max_model_len": max_model_len, "seed": seed}))
         yield llm
+
+
+class ServedTarget:
+    """The target alone on a plain vLLM engine (`evaluation_engine` without a draft), generating
+    as a backend's `complete` does; its requests are sent as the measured ones are."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.llm_engine.model_config.max_model_len
+
+    def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+        """The generated tokens (stop token included) for each prompt, in one batch."""
+        return [list(o.outputs[0].token_ids) for o in _generate(self.llm, prompts, sampling)]
+
+
+@contextlib.contextmanager
+def reference_engine(serving: DraftServing, max_model_len: int, seed: int
+                     ) -> Iterator[ServedTarget]:
+    """The target as `serving` serves it (checkpoint, dtype, tensor-parallel size, tokenizer,
+    `max_model_len`, seed) without its draft: the standard reference for "speculative decoding
+    changed nothing"."""
+    with evaluation_engine(serving, None, max_model_len, seed) as llm:
+        yield ServedTarget(llm)

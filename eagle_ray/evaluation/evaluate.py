@@ -5,31 +5,44 @@ target's GPUs are (a Ray task: `evaluate_on_cluster`).
    `eval.num_speculative_tokens` k and `eval.temperatures` temperature, with intervals
    (`eagle_ray.evaluation.acceptance`); at temperature 0 its output must equal the target's
    greedy output without speculation.
-2. The project's own chain-drafting simulation with the HF target (`eagle_ray.evaluation.simulate`)
-   on the same turns, at the same k and temperatures, for the trained draft and an untrained one
-   (the baseline): independent of vLLM's speculative decoding, so each checks the other (at
-   temperature 0 they agree exactly).
+2. The project's own chain-drafting simulation (`eagle_ray.evaluation.simulate`) on the same
+   turns, at the same k and temperatures, for the trained draft and an untrained one (the
+   baseline), on the target's aux states and distributions from the pool's own backend (vLLM at
+   the pool's tensor-parallel size by default): independent of vLLM's speculative decoding, so
+   each checks the other (at temperature 0 they agree exactly).
+
+The greedy reference both need (the turns' answers, and the output speculation must not change)
+comes from vLLM serving the target as the draft is served, without the draft. One engine at a
+time: the reference, then the simulation's backend, then each k's serving engine, each shut down
+before the next starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from eagle_ray.backends.base import Sampling
-from eagle_ray.backends.hf import HFEagle3TargetModel
+from eagle_ray.backends.base import RunnerEagle3TargetModel, Sampling
 from eagle_ray.config import ConfigError, EvalConfig, PoolConfig
+from eagle_ray.contract.supervision import DraftVocab
 from eagle_ray.data.chat import stop_token_ids
 from eagle_ray.draft.export import load_exported_draft
+from eagle_ray.draft.model import Eagle3Draft
 from eagle_ray.draft.serving import DraftServing
-from eagle_ray.evaluation.acceptance import answer_turn_by_turn, vllm_acceptance_table
+from eagle_ray.evaluation.acceptance import (
+    answer_turn_by_turn,
+    eval_max_model_len,
+    reference_engine,
+    vllm_acceptance_table,
+)
 from eagle_ray.evaluation.prompts import EvalPrompt, EvalPrompts, read_eval_prompts
 from eagle_ray.evaluation.simulate import (
     draft_seconds_per_verify_step,
@@ -41,7 +54,14 @@ from eagle_ray.evaluation.simulate import (
 logger = logging.getLogger(__name__)
 
 
-def greedy_generate(target: HFEagle3TargetModel, prompt: list[int], max_new_tokens: int,
+class Completer(Protocol):
+    """What generates the target's answers: a backend (`RunnerEagle3TargetModel`) or vLLM
+    serving the target alone (`acceptance.ServedTarget`)."""
+
+    def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]: ...
+
+
+def greedy_generate(target: Completer, prompt: list[int], max_new_tokens: int,
                     stop_token_ids: tuple[int, ...] = ()) -> list[int]:
     """The target's greedy continuation of `prompt`, up to and including a stop token."""
     return target.complete([prompt], Sampling(max_new_tokens=max_new_tokens,
@@ -81,38 +101,80 @@ def evaluation_prompts(eval_config: EvalConfig,
 
 
 class GreedyAnswers:
-    """The target's greedy answer (HF, no speculation) to each prompt, computed once: the
-    simulation's continuation and the reference vLLM's greedy output must equal. Once
-    `release`d (the HF model freed for vLLM's engine), an answer not computed before is None."""
+    """The target's greedy answer (no speculation) to each prompt, computed once, the prompts
+    not answered yet in one `complete` call: what the simulation continues and what the vLLM
+    serving the draft must output at temperature 0. Once `release`d (the engine or model freed
+    for the next), an answer not computed before is None."""
 
-    def __init__(self, target: HFEagle3TargetModel, max_new_tokens: int,
+    def __init__(self, target: Completer | None, max_new_tokens: int,
                  stop_token_ids: tuple[int, ...]) -> None:
-        self.target, self.max_new_tokens, self.stops = target, max_new_tokens, stop_token_ids
+        self.target = target
+        self.sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
         self._answers: dict[tuple[int, ...], list[int]] = {}
 
     def __call__(self, owners: list[int], batch: list[list[int]]) -> list[list[int] | None]:
-        for ids in batch:
-            if tuple(ids) not in self._answers and self.target is not None:
-                self._answers[tuple(ids)] = greedy_generate(self.target, ids,
-                                                            self.max_new_tokens, self.stops)
+        missing = list(dict.fromkeys(tuple(ids) for ids in batch
+                                     if tuple(ids) not in self._answers))
+        if missing and self.target is not None:
+            answers = self.target.complete([list(ids) for ids in missing], self.sampling)
+            self._answers.update(zip(missing, answers, strict=True))
         return [self._answers.get(tuple(ids)) for ids in batch]
 
     def release(self) -> None:
-        """Drop the HF model (its memory goes back to the device)."""
+        """Drop the target (its memory goes back to the device)."""
         self.target = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _free_device_memory()
 
 
-def evaluate_draft(serving: DraftServing, prompts: EvalPrompts, eval_config: EvalConfig
-                   ) -> dict[str, Any]:
-    """Acceptance of the exported draft: the project's own simulation of the trained and of an
-    untrained draft with the HF target first, then vLLM serving the draft at every k and
-    temperature of `eval_config` as `serving.command(k)` does (`eagle_ray.evaluation.acceptance`),
-    on the same turns; on the target the draft was exported for (its aux layer ids), in the target's
-    dtype, on a GPU where this process has one. Runs where it is called: a job runs it as a Ray
-    task with the target's resources (`evaluate_on_cluster`)."""
+def greedy_reference(serving: DraftServing, prompts: Sequence[EvalPrompt], tokenizer,
+                     max_new_tokens: int, stops: tuple[int, ...], seed: int
+                     ) -> tuple[GreedyAnswers, list[list[list[int]]], dict[int, str]]:
+    """Every turn answered greedily by vLLM serving the target with the served engine's
+    settings (`DraftServing.target_engine_kwargs`, the `max_model_len` and seed of
+    `vllm_acceptance_table`'s engines) but no draft: the answers, the turns' prompts as sent
+    and the prompts that failed (`answer_turn_by_turn`). The engine is shut down before this
+    returns."""
+    max_model_len = eval_max_model_len(serving.model_path, prompts, tokenizer, max_new_tokens)
+    with reference_engine(serving, max_model_len, seed) as engine:
+        greedy = GreedyAnswers(engine, max_new_tokens, stops)
+        turns, failed = answer_turn_by_turn(prompts, tokenizer, greedy,
+                                            engine.max_model_len - max_new_tokens)
+        greedy.release()
+    return greedy, turns, failed
+
+
+@contextlib.contextmanager
+def simulation_target(pool: PoolConfig, serving: DraftServing, longest: int
+                      ) -> Iterator[RunnerEagle3TargetModel]:
+    """The pool's own backend (a replica's: vLLM at the pool's `tp_size` by default) on the
+    served checkpoint and dtype, capturing the draft's aux layers, its engine sized for
+    sequences of `longest` tokens: the simulation needs the target's aux states and
+    distributions at every position, which is what a replica computes. Shut down on exit."""
+    from eagle_ray.backends import build_backend
+    from eagle_ray.backends.engines import ENGINES
+    from eagle_ray.draft.export import exported_target
+
+    config = dataclasses.replace(
+        pool, model_path=serving.model_path, dtype=serving.dtype,
+        aux_layer_ids=list(exported_target(serving.draft_dir).aux_layer_ids),
+        vllm_kwargs={k: v for k, v in pool.vllm_kwargs.items() if k != "max_model_len"})
+    engine = ENGINES.get(config.backend)
+    target = build_backend(config if engine is None else engine.sized_for(config, longest))
+    try:
+        yield target
+    finally:
+        target.shutdown()
+
+
+def evaluate_draft(target: PoolConfig, serving: DraftServing, prompts: EvalPrompts,
+                   eval_config: EvalConfig) -> dict[str, Any]:
+    """Acceptance of the exported draft: the target's greedy answers from vLLM without the draft
+    (`greedy_reference`), the project's own simulation of the trained and of an untrained draft
+    on the pool's backend for `target` (`simulation_target`), then vLLM serving the draft at
+    every k and temperature of `eval_config` as `serving.command(k)` does
+    (`eagle_ray.evaluation.acceptance`), on the same turns; on the target the draft was exported
+    for (its aux layer ids), in the target's dtype. Runs where it is called: a job runs it as a
+    Ray task with the target's resources (`evaluate_on_cluster`)."""
     from eagle_ray.data.tokenizer_files import load_tokenizer
     from eagle_ray.draft.export import exported_ttt_steps
 
@@ -122,13 +184,26 @@ def evaluate_draft(serving: DraftServing, prompts: EvalPrompts, eval_config: Eva
     _, tokenizer = load_tokenizer(serving.model_path, {"tokenizer": serving.tokenizer}
                                   if serving.tokenizer else {}, "the evaluation")
     stops = stop_token_ids(tokenizer)  # answers end at the chat's end-of-turn token
-    report, greedy = _simulate(serving, prompts, tokenizer, eval_config, stops)
-    greedy.release()  # vLLM's engine gets the device to itself
+    n, ks = eval_config.max_new_tokens, eval_config.num_speculative_tokens
+    greedy, turns, failed = greedy_reference(serving, prompts.prompts, tokenizer, n, stops,
+                                             eval_config.seed)
+    turn_prompts = [ids for prompt_turns in turns for ids in prompt_turns]
+    report: dict[str, Any] = {
+        "prompts": len(prompts.prompts), "turns": len(turn_prompts),
+        "skipped_lines": prompts.skipped, "failed_prompts": len(failed),
+        "num_speculative_tokens": list(ks), "temperatures": list(eval_config.temperatures),
+        "served_with": dataclasses.asdict(serving)}
+    # A verify step sends up to k drafted tokens after a turn's prompt and its answer so far
+    # (and the engine samples one token after them).
+    longest = eval_max_model_len(serving.model_path, prompts.prompts, tokenizer, n, max(ks)) - 1
+    report.update(_simulate(target, serving, longest, turn_prompts, greedy([], turn_prompts),
+                            eval_config, stops))
+    _free_device_memory()  # the simulation's engine, before the serving engines start
     if eval_config.vllm:
         report["vllm"] = vllm_acceptance_table(
-            serving, prompts.prompts, tokenizer, eval_config.num_speculative_tokens,
-            eval_config.temperatures, eval_config.max_new_tokens, stops, reference=greedy,
-            bootstrap_samples=eval_config.bootstrap_samples, seed=eval_config.seed)
+            serving, prompts.prompts, tokenizer, ks, eval_config.temperatures, n, stops,
+            reference=greedy, bootstrap_samples=eval_config.bootstrap_samples,
+            seed=eval_config.seed)
     logger.info("evaluation on %d prompts (%d turns): %s", len(prompts.prompts),
                 report["turns"], "; ".join(
                     f"k={r['num_speculative_tokens']} t={r['temperature']:g} "
@@ -136,66 +211,73 @@ def evaluate_draft(serving: DraftServing, prompts: EvalPrompts, eval_config: Eva
     return report
 
 
-def _simulate(serving: DraftServing, prompts: EvalPrompts, tokenizer, eval_config: EvalConfig,
-              stops: tuple[int, ...]) -> tuple[dict[str, Any], GreedyAnswers]:
-    """The HF target's greedy answers to every turn, and the simulated acceptance of the trained
-    and an untrained draft at every k and temperature."""
-    from eagle_ray.draft.export import exported_target
+def _simulate(pool: PoolConfig, serving: DraftServing, longest: int,
+              turn_prompts: list[list[int]], continuations: list[list[int]],
+              eval_config: EvalConfig, stops: tuple[int, ...]) -> dict[str, Any]:
+    """On `simulation_target`: the simulated acceptance of the trained and an untrained draft at
+    every k and temperature, the draft's time per verify step, and the target's top probability
+    along its greedy answers (`continuations`)."""
+    ks = eval_config.num_speculative_tokens
+    with simulation_target(pool, serving, longest) as target:
+        trained, untrained, vocab = _drafts(target, serving.draft_dir)
+        seconds = draft_seconds_per_verify_step(target, trained, vocab, turn_prompts[:4], ks)
+        report: dict[str, Any] = {
+            # What parallel drafting is for: vLLM runs one draft forward per verify step for a
+            # P-EAGLE or DFlash draft, k (one per drafted token) for an EAGLE-3 chain.
+            "draft": {"kind": trained.kind,
+                      "forwards_per_verify_step": {
+                          str(k): 1 if trained.drafts_in_parallel else k for k in ks},
+                      "seconds_per_verify_step": {str(k): t for k, t in seconds.items()}},
+            "target_top_probability": target_top_probability(target, turn_prompts,
+                                                             continuations),
+            "simulated": []}
+        for k, temperature in itertools.product(ks, eval_config.temperatures):
+            row: dict[str, Any] = {"num_speculative_tokens": k, "temperature": temperature}
+            for name, draft in (("trained", trained), ("untrained", untrained)):
+                row.update(_simulated(name, target, draft, vocab, turn_prompts, continuations,
+                                      k, temperature, eval_config, stops))
+            if temperature > 0:
+                logger.info("simulated k=%d t=%g: trained %.2f (exact %.2f), untrained %.2f "
+                            "(exact %.2f)", k, temperature, row["trained"],
+                            row["trained_expected"], row["untrained"], row["untrained_expected"])
+            report["simulated"].append(row)
+    return report
 
-    aux_layer_ids = list(exported_target(serving.draft_dir).aux_layer_ids)
-    target = HFEagle3TargetModel.from_pretrained(
-        serving.model_path, aux_layer_ids=aux_layer_ids, dtype=serving.dtype,
-        device="cuda" if torch.cuda.is_available() else None)
-    embedding = target.get_input_embeddings().weight.detach()
-    # The drafts in fp32 (as trained), on the target's device.
-    trained, vocab = load_exported_draft(serving.draft_dir, embedding.float())
+
+def _drafts(target: RunnerEagle3TargetModel, draft_dir: str
+            ) -> tuple[Eagle3Draft, Eagle3Draft, DraftVocab]:
+    """The exported draft and an untrained one of its shape (seeded), in fp32 as trained, on
+    the target's device (its head's), and the draft vocabulary."""
+    embedding = target.get_input_embeddings().weight.detach().float()
+    trained, vocab = load_exported_draft(draft_dir, embedding)
     torch.manual_seed(1234)
-    untrained = trained.untrained(embedding.float())
-    trained, untrained = (d.to(embedding.device).eval() for d in (trained, untrained))
-    n = eval_config.max_new_tokens
-    greedy = GreedyAnswers(target, n, stops)
-    turns, failed = answer_turn_by_turn(
-        prompts.prompts, tokenizer, greedy,
-        None if target.max_length is None else target.max_length - n)
-    turn_prompts = [ids for prompt_turns in turns for ids in prompt_turns]
-    report: dict[str, Any] = {
-        "prompts": len(prompts.prompts), "turns": len(turn_prompts),
-        "skipped_lines": prompts.skipped, "failed_prompts": len(failed),
-        "num_speculative_tokens": list(eval_config.num_speculative_tokens),
-        "temperatures": list(eval_config.temperatures), "simulated": [],
-        # What parallel drafting is for: vLLM runs one draft forward per verify step for a
-        # P-EAGLE or DFlash draft, k (one per drafted token) for an EAGLE-3 chain.
-        "draft": {"kind": trained.kind, "forwards_per_verify_step": {
-            str(k): 1 if trained.drafts_in_parallel else k
-            for k in eval_config.num_speculative_tokens}},
-        "served_with": dataclasses.asdict(serving)}
-    report["draft"]["seconds_per_verify_step"] = {
-        str(k): seconds for k, seconds in draft_seconds_per_verify_step(
-            target, trained, vocab, turn_prompts[:4], eval_config.num_speculative_tokens).items()}
-    continuations = greedy([], turn_prompts)
-    report["target_top_probability"] = target_top_probability(target, turn_prompts,
-                                                               continuations)
-    for k, temperature in itertools.product(eval_config.num_speculative_tokens,
-                                            eval_config.temperatures):
-        row: dict[str, Any] = {"num_speculative_tokens": k, "temperature": temperature}
-        for name, draft in (("trained", trained), ("untrained", untrained)):
-            if temperature == 0:
-                row[name], row[f"acceptance_per_position_{name}"] = simulate_acceptance(
-                    target, draft, vocab, turn_prompts, continuations, k)
-                continue
-            run = simulate_sampled(target, draft, vocab, turn_prompts, k, temperature, n, stops,
-                                   eval_config.seed)
-            row[name], row[f"acceptance_per_position_{name}"] = (run.length(),
-                                                                 run.tally.per_position())
-            # Exact E[accepted | context] over the same verify steps (evaluation.simulate).
-            row[f"{name}_expected"] = run.expected_length()
-            row[f"{name}_expected_interval_95"] = list(run.expected_interval())
-        if temperature > 0:
-            logger.info("simulated k=%d t=%g: trained %.2f (exact %.2f), untrained %.2f (exact "
-                        "%.2f)", k, temperature, row["trained"], row["trained_expected"],
-                        row["untrained"], row["untrained_expected"])
-        report["simulated"].append(row)
-    return report, greedy
+    untrained = trained.untrained(embedding)
+    return trained.to(target.device).eval(), untrained.to(target.device).eval(), vocab
+
+
+def _simulated(name: str, target: RunnerEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,
+               turn_prompts: list[list[int]], continuations: list[list[int]], k: int,
+               temperature: float, eval_config: EvalConfig, stops: tuple[int, ...]
+               ) -> dict[str, Any]:
+    """One draft's cells of a simulated row: greedy against the target's answers, or sampled
+    with the exact expectation over the same verify steps (`evaluation.simulate`)."""
+    if temperature == 0:
+        length, per_position = simulate_acceptance(target, draft, vocab, turn_prompts,
+                                                   continuations, k)
+        return {name: length, f"acceptance_per_position_{name}": per_position}
+    run = simulate_sampled(target, draft, vocab, turn_prompts, k, temperature,
+                           eval_config.max_new_tokens, stops, eval_config.seed)
+    return {name: run.length(), f"acceptance_per_position_{name}": run.tally.per_position(),
+            f"{name}_expected": run.expected_length(),
+            f"{name}_expected_interval_95": list(run.expected_interval())}
+
+
+def _free_device_memory() -> None:
+    """Collect what a shut-down engine or a dropped model left and hand the device's cached
+    memory back: the next engine sizes its KV cache from what is free."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def evaluate_on_cluster(target: PoolConfig, serving: DraftServing, prompts: EvalPrompts,
@@ -212,4 +294,4 @@ def evaluate_on_cluster(target: PoolConfig, serving: DraftServing, prompts: Eval
                "resources": bundle, "max_retries": 0}
     logger.info("evaluating the draft in a Ray task with %s", options)
     task = ray.remote(evaluate_draft).options(**options)
-    return ray.get(task.remote(serving, prompts, eval_config))
+    return ray.get(task.remote(target, serving, prompts, eval_config))

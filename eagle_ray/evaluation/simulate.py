@@ -1,5 +1,6 @@
-"""The project's own acceptance measurement: chain drafting simulated with the HF target and the
-draft, independent of vLLM's speculative decoding, greedy and sampled.
+"""The project's own acceptance measurement: chain drafting simulated with the target's states (a
+backend's: the pool's vLLM engine in an evaluation, the HF model in the tests) and the draft,
+independent of vLLM's speculative decoding, greedy and sampled.
 
 Per verify step the target has its next token, the draft proposes `k` more from the target's aux
 states (greedily, as vLLM's EAGLE proposer does), and the target verifies them. Greedy: a draft
@@ -27,7 +28,7 @@ import time
 
 import torch
 
-from eagle_ray.backends.hf import HFEagle3TargetModel
+from eagle_ray.backends.base import RunnerEagle3TargetModel
 from eagle_ray.contract.supervision import DraftVocab
 from eagle_ray.draft.model import Eagle3Draft
 from eagle_ray.evaluation.acceptance import AcceptanceTally
@@ -41,8 +42,22 @@ def draft_chain(draft: Eagle3Draft, vocab: DraftVocab, aux_hidden_states: torch.
     return [int(vocab.draft_to_target[i]) for i in proposed]
 
 
+def target_states(target: RunnerEagle3TargetModel, ids: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's aux states `[1, S, N*H]` (ascending layers) and final pre-norm states
+    `[1, S, H]` at every position of `ids`, on the target's device, from either layout a runner
+    returns: padded tensors (HF), or a captured row (vLLM: `[S, N + 1, H]`, copied out of the
+    hand-off, whose ring the next call reuses)."""
+    tensor = torch.tensor([ids])
+    out = target.runner.run(tensor, torch.ones_like(tensor))
+    if out.rows is None:
+        return out.aux_hidden_states, out.last_hidden
+    row = out.rows[0].to(target.device, copy=True)
+    return row[None, :, :-1].flatten(2), row[None, :, -1]
+
+
 @torch.inference_mode()
-def draft_seconds_per_verify_step(target: HFEagle3TargetModel, draft: Eagle3Draft,
+def draft_seconds_per_verify_step(target: RunnerEagle3TargetModel, draft: Eagle3Draft,
                                   vocab: DraftVocab, prompts: list[list[int]],
                                   ks: list[int] | tuple[int, ...], repeats: int = 3
                                   ) -> dict[int, float]:
@@ -52,8 +67,7 @@ def draft_seconds_per_verify_step(target: HFEagle3TargetModel, draft: Eagle3Draf
     asserts it: a measurement, not a rule."""
     seconds: dict[int, list[float]] = {k: [] for k in ks}
     for prompt in prompts:
-        ids = torch.tensor([prompt])
-        aux = target.runner.run(ids, torch.ones_like(ids)).aux_hidden_states
+        aux, _ = target_states(target, prompt)
         for k, _ in itertools.product(ks, range(repeats)):
             _synchronize(aux.device)
             start = time.perf_counter()
@@ -69,7 +83,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,
+def simulate_acceptance(target: RunnerEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,
                         prompts: list[list[int]], continuations: list[list[int]], k: int
                         ) -> tuple[float, list[float]]:
     """Greedy: mean acceptance length over each prompt's greedy continuation (up to its
@@ -79,13 +93,12 @@ def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: 
     for prompt, continuation in zip(prompts, continuations, strict=True):
         seq, produced = list(prompt), 0
         while produced < len(continuation):
-            ids = torch.tensor([seq])
-            out = target.runner.run(ids, torch.ones_like(ids))
-            next_token = int(head(out.last_hidden[0, -1]).argmax())
+            aux, last_hidden = target_states(target, seq)
+            next_token = int(head(last_hidden[0, -1]).argmax())
             truth = continuation[produced + 1: produced + 1 + k]
             if not truth:  # the answer ends with this token: no draft left to verify
                 break
-            drafted = draft_chain(draft, vocab, out.aux_hidden_states, seq, next_token, k)
+            drafted = draft_chain(draft, vocab, aux, seq, next_token, k)
             accepted = 0
             while accepted < len(truth) and drafted[accepted] == truth[accepted]:
                 accepted += 1
@@ -96,7 +109,7 @@ def simulate_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: 
 
 
 @torch.inference_mode()
-def target_top_probability(target: HFEagle3TargetModel, prompts: list[list[int]],
+def target_top_probability(target: RunnerEagle3TargetModel, prompts: list[list[int]],
                            continuations: list[list[int]]) -> float:
     """The target's mean probability of its most likely next token (temperature 1) along its
     own greedy answers: how sure it is. Near 1, sampling at temperature 1 picks what greedy
@@ -106,8 +119,8 @@ def target_top_probability(target: HFEagle3TargetModel, prompts: list[list[int]]
     for prompt, continuation in zip(prompts, continuations, strict=True):
         if not continuation:
             continue
-        ids = torch.tensor([prompt + continuation[:-1]])
-        hidden = target.runner.run(ids, torch.ones_like(ids)).last_hidden[0, len(prompt) - 1:]
+        _, last_hidden = target_states(target, prompt + continuation[:-1])
+        hidden = last_hidden[0, len(prompt) - 1:]
         total += float(torch.softmax(head(hidden).float(), dim=-1).amax(dim=-1).sum())
         count += len(continuation)
     return total / count if count else float("nan")
@@ -221,22 +234,21 @@ def _speculate(step: VerifyStep, generator: torch.Generator, sample) -> tuple[in
     return accepted, None if step.stopped else sample(step.probs[accepted])
 
 
-def _verify(target: HFEagle3TargetModel, distribution, draft: Eagle3Draft, vocab: DraftVocab,
+def _verify(target: RunnerEagle3TargetModel, distribution, draft: Eagle3Draft, vocab: DraftVocab,
             aux: torch.Tensor, seq: list[int], next_token: int, k: int, stops: set[int]
             ) -> tuple[VerifyStep, torch.Tensor]:
     """The draft's chain after `seq` + `next_token` and the target's verdict on it; with the
     target's aux states of the verified sequence (those of `seq` are a causal prefix)."""
     drafted = draft_chain(draft, vocab, aux, seq, next_token, k)
-    ids = torch.tensor([seq + [next_token] + drafted])
-    out = target.runner.run(ids, torch.ones_like(ids))
-    probs = distribution(out.last_hidden[0, len(seq):])
+    verified_aux, last_hidden = target_states(target, seq + [next_token] + drafted)
+    probs = distribution(last_hidden[0, len(seq):])
     end = next((j + 1 for j, token in enumerate(drafted) if token in stops), None)
     alphas = [float(probs[j, token]) for j, token in enumerate(drafted[:end])]
-    return VerifyStep(drafted[:end], probs, alphas, end is not None), out.aux_hidden_states
+    return VerifyStep(drafted[:end], probs, alphas, end is not None), verified_aux
 
 
 @torch.inference_mode()
-def simulate_sampled(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,
+def simulate_sampled(target: RunnerEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,
                      prompts: list[list[int]], k: int, temperature: float, max_new_tokens: int,
                      stop_token_ids: tuple[int, ...], seed: int = 0) -> SampledAcceptance:
     """Sampled at `temperature` (> 0): speculative sampling of the target's own answers, each
@@ -254,10 +266,9 @@ def simulate_sampled(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: Dra
         return int(torch.multinomial(probs, 1, generator=generator))
 
     for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = target.runner.run(ids, torch.ones_like(ids))
-        seq, next_token = list(prompt), sample(distribution(out.last_hidden[0, -1]))
-        aux = out.aux_hidden_states  # of every token of seq (causal: a longer run's prefix)
+        # aux: the states of every token of seq (causal: a longer run's prefix)
+        aux, last_hidden = target_states(target, prompt)
+        seq, next_token = list(prompt), sample(distribution(last_hidden[0, -1]))
         while next_token not in stops and len(seq) - len(prompt) + 1 < max_new_tokens:
             step, aux = _verify(target, distribution, draft, vocab, aux, seq, next_token, k,
                                 stops)
@@ -274,7 +285,7 @@ def simulate_sampled(target: HFEagle3TargetModel, draft: Eagle3Draft, vocab: Dra
     return result
 
 
-def simulate_sampled_acceptance(target: HFEagle3TargetModel, draft: Eagle3Draft,
+def simulate_sampled_acceptance(target: RunnerEagle3TargetModel, draft: Eagle3Draft,
                                 vocab: DraftVocab, prompts: list[list[int]], k: int,
                                 temperature: float, max_new_tokens: int,
                                 stop_token_ids: tuple[int, ...], seed: int = 0

@@ -11,14 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-import eagle_ray.backends.base as target_runner
-from eagle_ray.backends.base import (
+import eagle_ray.backends.self_check as self_check_module
+from eagle_ray.backends.hf import HFEagle3TargetModel
+from eagle_ray.backends.self_check import (
     SelfCheckError,
     check_greedy_tokens,
     greedy_shortfall,
     refused_rows,
 )
-from eagle_ray.backends.hf import HFEagle3TargetModel
 from eagle_ray.contract.target_head import TargetHead
 from eagle_ray.testing import random_micro_batch
 from eagle_ray.tiny import tiny_target
@@ -109,7 +109,7 @@ def test_a_capture_one_layer_off_fails_in_bf16(bf16_capture):
 def test_the_old_tolerance_of_half_the_best_logit_let_it_through(bf16_capture, monkeypatch):
     """The control: with 64 epsilons (half the best logit in bf16) the same mistake passes."""
     greedy, _, one_layer_off, head = bf16_capture
-    monkeypatch.setattr(target_runner, "SELF_CHECK_EPS", 64)
+    monkeypatch.setattr(self_check_module, "SELF_CHECK_EPS", 64)
     check_greedy_tokens(greedy, one_layer_off, head)
 
 

@@ -208,6 +208,16 @@ class VLLMTargetRunner(TargetRunner):
             call_bytes=call_tokens * len(self.capture_ids) * hidden_size * dtype.itemsize,
             object_store_bytes=object_store_bytes)
 
+        engine_kwargs = self._engine_kwargs(model_path, vllm_kwargs, tp_size, trust_remote_code)
+        self.llm = self._build_engine(engine_kwargs, tp_size)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        # Drop anything a crashed call left behind when this runner goes away.
+        self._finalizer = weakref.finalize(self, self.handoff.discard, self.key_prefix)
+
+    def _engine_kwargs(self, model_path: str, vllm_kwargs: dict[str, Any], tp_size: int,
+                       trust_remote_code: bool) -> dict[str, Any]:
+        """`vllm.LLM`'s arguments: the platform's defaults, the user's `vllm_kwargs`, then what
+        the capture owns (the model, the extract_hidden_states method, this connector)."""
         engine_kwargs = {**(CPU_DEFAULTS if self.is_cpu else GPU_DEFAULTS), **vllm_kwargs}
         engine_kwargs["compilation_config"] = capture_compilation_config(
             engine_kwargs.get("compilation_config"))
@@ -217,7 +227,7 @@ class VLLMTargetRunner(TargetRunner):
             engine_kwargs.setdefault("distributed_executor_backend", TP_EXECUTOR)
         engine_kwargs.update(
             model=str(model_path),
-            dtype=str(dtype).removeprefix("torch."),
+            dtype=str(self.dtype).removeprefix("torch."),
             tensor_parallel_size=tp_size,
             trust_remote_code=trust_remote_code,
             # Prompts stay token ids and outputs are not detokenised, so a weights-only folder
@@ -242,10 +252,7 @@ class VLLMTargetRunner(TargetRunner):
                 },
             },
         )
-        self.llm = self._build_engine(engine_kwargs, tp_size)
-        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
-        # Drop anything a crashed call left behind when this runner goes away.
-        self._finalizer = weakref.finalize(self, self.handoff.discard, self.key_prefix)
+        return engine_kwargs
 
     def _build_engine(self, engine_kwargs: dict[str, Any], tp_size: int):
         if not self.multiprocess:

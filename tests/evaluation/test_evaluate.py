@@ -1,0 +1,141 @@
+"""The evaluation's greedy reference and its simulation's target: the reference is vLLM serving the
+target exactly as the draft is served, without the draft (one engine at a time), and the simulation
+reads the pool's own backend (vLLM at the pool's tensor-parallel size by default) as it reads HF.
+"""
+
+import types
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from eagle_ray.backends.base import Sampling
+from eagle_ray.backends.hf import HFEagle3TargetModel
+from eagle_ray.backends.vllm import runner
+from eagle_ray.config import EvalConfig, PoolConfig
+from eagle_ray.contract.identity import TargetIdentity
+from eagle_ray.contract.supervision import DraftVocab
+from eagle_ray.data.chat import prompt_for_turn, stop_token_ids
+from eagle_ray.draft.export import export_draft
+from eagle_ray.draft.model import DraftConfig, Eagle3Draft
+from eagle_ray.draft.serving import DraftServing
+from eagle_ray.evaluation.evaluate import evaluate_draft, simulation_target
+from eagle_ray.evaluation.prompts import EvalPrompt, EvalPrompts
+from eagle_ray.evaluation.simulate import target_states
+from eagle_ray.tiny import tiny_target
+
+SPECULATION_KEYS = {"speculative_config", "per_request_spec_decode_metrics"}
+PROMPTS = [EvalPrompt((), ("What is one plus two?", "And plus three?")),
+           EvalPrompt((), ("What is the capital of Peru?",)),
+           EvalPrompt((), ("Name a colour.",))]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(the pre-trained tiny Llama in fp32, its path, a draft exported for it)."""
+    path = tiny_target("llama", pretrained=True)
+    target = HFEagle3TargetModel.from_pretrained(path, dtype=torch.float32)
+    vocab = DraftVocab.from_token_counts(torch.arange(target.vocab_size) % 5 + 1, 128)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig.from_target(target.model.config, vocab.size),
+                        target.get_input_embeddings().weight.detach())
+    draft_dir = export_draft(draft, vocab, TargetIdentity.of_backend(target, str(path)),
+                             tmp_path_factory.mktemp("eval") / "draft", ttt_steps=3)
+    return target, str(path), str(draft_dir)
+
+
+class FakeEngines:
+    """`runner.build_llm` recording each engine's kwargs, answering greedily with `reference`
+    (an engine without a speculative config) or `speculative` (with one), and noting which
+    engines were alive when each was built."""
+
+    def __init__(self, reference, speculative) -> None:
+        self.answerers = {"reference": reference, "speculative": speculative}
+        self.built: list[tuple[str, dict]] = []
+        self.alive_at_build: list[int] = []
+        self.prompts: dict[str, list[list[list[int]]]] = {"reference": [], "speculative": []}
+        self.alive = 0
+
+    def build_llm(self, kwargs, multiprocess, env=None):
+        kind = "speculative" if "speculative_config" in kwargs else "reference"
+        self.built.append((kind, kwargs))
+        self.alive_at_build.append(self.alive)
+        self.alive += 1
+        return types.SimpleNamespace(
+            generate=lambda prompts, params, use_tqdm: self._generate(kind, prompts, params),
+            llm_engine=types.SimpleNamespace(
+                model_config=types.SimpleNamespace(max_model_len=kwargs["max_model_len"]),
+                engine_core=types.SimpleNamespace(shutdown=self._shutdown)))
+
+    def _generate(self, kind, prompts, params):
+        batch = [p["prompt_token_ids"] for p in prompts]
+        self.prompts[kind].append(batch)
+        answers = self.answerers[kind].complete(batch, Sampling(
+            params.max_tokens, params.temperature, stop_token_ids=tuple(params.stop_token_ids)))
+        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(
+            token_ids=a, spec_decode_metrics=None)]) for a in answers]
+
+    def _shutdown(self):
+        self.alive -= 1
+
+
+def evaluate_with(engines: FakeEngines, served, monkeypatch):
+    """The evaluation at k = 2, greedy, with `engines` standing in for vLLM, the served engines
+    at tensor-parallel size 2, the simulation on the HF backend."""
+    _, path, draft_dir = served
+    monkeypatch.setattr(runner, "build_llm", engines.build_llm)
+    pool = PoolConfig(backend="hf", model_path=path, dtype="float32")
+    serving = DraftServing(path, draft_dir, "float32", tp_size=2)
+    config = EvalConfig(prompts=3, max_new_tokens=8, num_speculative_tokens=[2],
+                        temperatures=[0.0], bootstrap_samples=10)
+    return evaluate_draft(pool, serving, EvalPrompts(PROMPTS, {}), config)
+
+
+def test_the_reference_is_the_served_engine_without_the_draft(served, monkeypatch):
+    """The reference engine is built first, with the served engine's kwargs (tp_size 2 and its
+    executor, dtype, max_model_len, seed) less the speculative config, and shut down before the
+    serving engine starts; it answers each turn's prompts in one batch, the very prompts the
+    served engine answers; speculation that changes nothing keeps every greedy answer."""
+    target = served[0]
+    engines = FakeEngines(reference=target, speculative=target)
+    report = evaluate_with(engines, served, monkeypatch)
+
+    assert [kind for kind, _ in engines.built] == ["reference", "speculative"]
+    (_, reference), (_, speculative) = engines.built
+    assert reference == {k: v for k, v in speculative.items() if k not in SPECULATION_KEYS}
+    assert reference["tensor_parallel_size"] == 2 and "distributed_executor_backend" in reference
+    assert speculative["speculative_config"]["num_speculative_tokens"] == 2
+    assert engines.alive_at_build == [0, 0] and engines.alive == 0, "one engine at a time"
+    assert [len(batch) for batch in engines.prompts["reference"]] == [3, 1], "a batch per turn"
+    assert engines.prompts["speculative"] == engines.prompts["reference"]
+    assert report["turns"] == 4 and report["failed_prompts"] == 0
+    assert report["vllm"][0]["greedy_equal_fraction"] == 1.0
+
+
+def test_a_reference_from_another_model_fails_the_greedy_check(served, monkeypatch, hf_llama):
+    """The control: the same evaluation whose reference engine answers as another model (the
+    tiny Llama before pre-training) finds the served answers changed."""
+    engines = FakeEngines(reference=hf_llama, speculative=served[0])
+    report = evaluate_with(engines, served, monkeypatch)
+    assert report["vllm"][0]["greedy_equal_fraction"] < 0.5
+
+
+@pytest.mark.slow
+def test_the_simulation_reads_the_pools_vllm_backend_as_it_reads_hf(served):
+    """On the pool's default backend (vLLM, the draft's aux layers, sized for the evaluation's
+    longest sequence) the states the simulation reads equal the HF reference's at every
+    position; the control: the states one token later differ far beyond the tolerance."""
+    target, path, draft_dir = served
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = prompt_for_turn(tokenizer, [{"role": "user", "content": "Name a colour."}], 1)
+    ids += [stop_token_ids(tokenizer)[0]] + ids  # a second turn's length
+    with simulation_target(PoolConfig(model_path=path, dtype="float32"),
+                           DraftServing(path, draft_dir, "float32"), 200) as backend:
+        assert backend.aux_layer_ids == target.aux_layer_ids and backend.max_length == 200
+        vllm_aux, vllm_last = target_states(backend, ids)
+    hf_aux, hf_last = target_states(target, ids)
+    assert vllm_aux.shape == hf_aux.shape and vllm_last.shape == hf_last.shape
+    assert torch.allclose(vllm_aux, hf_aux, atol=1e-4)
+    assert torch.allclose(vllm_last, hf_last, atol=1e-4)
+    later_aux, later_last = target_states(target, ids[1:] + ids[:1])
+    assert (later_aux - hf_aux).abs().max() > 0.1 and (later_last - hf_last).abs().max() > 0.1
