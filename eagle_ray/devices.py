@@ -143,7 +143,9 @@ class HostBuffers:
         self._pinned = torch.cuda.is_available()
         self._idle: list[_Buffer] = []  # buffers nothing views now
         self._kept = 0  # buffers made (idle or in use)
-        self._lock = threading.Lock()  # a replica's host stage and its request threads
+        # A replica's host stage and its request threads. Reentrant: a view's finalizer
+        # (`_release`) may run in a garbage collection that an allocation under the lock set off.
+        self._lock = threading.RLock()
 
     @contextlib.contextmanager
     def use(self, readers: Iterable[torch.device | str] = ()) -> Iterator[EmptyHost]:

@@ -33,6 +33,9 @@ class Engine:
     config itself where the engine needs no size or the user set one)."""
     max_model_len: Callable[[PoolConfigLike], int | None]
     """The longest sequence the engine is configured for; None: no fixed limit (no KV cache)."""
+    in_own_process: Callable[[PoolConfigLike], PoolConfigLike] = lambda config: config
+    """The pool config with the engine's GPU work in processes of its own, so its memory goes
+    back to the device when it shuts down (an engine the evaluation starts before others)."""
 
 
 def _build_vllm(config: PoolConfigLike, model_path: str | None, dtype: str | None,
@@ -60,6 +63,12 @@ def _size_vllm(config: PoolConfigLike, longest: int) -> PoolConfigLike:
                                                     "max_model_len": longest + 1})
 
 
+def _vllm_in_own_process(config: PoolConfigLike) -> PoolConfigLike:
+    """The engine core and its worker in their own process (vLLM's multiprocess engine)."""
+    return dataclasses.replace(config, backend_kwargs={**config.backend_kwargs,
+                                                      "multiprocess": True})
+
+
 def _build_hf(config: PoolConfigLike, model_path: str | None, dtype: str | None,
               object_store_bytes: int) -> Any:
     from eagle_ray.backends.hf import HFEagle3TargetModel
@@ -78,7 +87,8 @@ def _check_hf(config: PoolConfigLike) -> None:
 
 ENGINES: dict[str, Engine] = {
     "vllm": Engine("vllm", _build_vllm, _check_vllm, _size_vllm,
-                   lambda config: config.vllm_kwargs.get("max_model_len")),
+                   lambda config: config.vllm_kwargs.get("max_model_len"),
+                   _vllm_in_own_process),
     "hf": Engine("hf", _build_hf, _check_hf, lambda config, longest: config,
                  lambda config: None),
 }

@@ -75,8 +75,10 @@ def kv_cache_bytes_per_token(text: Any, tp_size: int, dtype_bytes: int,
     heads hold copies), or latent attention's one latent per layer on every rank; and the
     `extract_hidden_states` capture layer (`HiddenStateCacheSpec`), the token's
     `captured_states` hidden states whole on every rank. At the target's dtype (`kv_cache_dtype`
-    "auto"); sliding-window layers count as full attention (an upper bound). `text`: the
-    target's transformers text config."""
+    "auto"). Exact where every attention layer has one spec (every shipped recipe); with mixed
+    layers (sliding windows, hybrids) vLLM groups them and pads the capture layer's pages to the
+    widest group's, which this does not model: it then overstates the tokens the cache holds.
+    `text`: the target's transformers text config."""
     if getattr(text, "kv_lora_rank", None):
         attention = text.num_hidden_layers * (text.kv_lora_rank + text.qk_rope_head_dim)
     else:

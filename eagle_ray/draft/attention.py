@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256  # flash attention's largest head dim on sm80+ (cuDNN's too)
 
 
 def attention_dtype(q: torch.Tensor) -> torch.dtype:
@@ -25,17 +26,22 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     """`scaled_dot_product_attention` over grouped-query K/V `[B, h_kv, L, D]`, always in a
     form one of CUDA's memory-efficient kernels takes -- every draft attention calls it.
 
-    Flash attention takes grouped-query heads but no explicit mask and only fp16 / bf16; the
-    memory-efficient kernel takes a mask and fp32 but not grouped-query heads. Anything else
-    falls to the math kernel, which materialises fp32 scores `[B, h, Lq, Lk]` (12 GiB per layer
-    for the 8B DFlash recipe). So where flash cannot take the call, the key / value heads are
-    repeated to the query heads (`[B, h, L, D]`: small beside the scores it avoids). The CPU's
+    Flash attention takes grouped-query heads but no explicit mask, only fp16 / bf16 and head
+    dims up to 256 (TTT attention pads the head dim by up to 10); the memory-efficient kernel
+    takes a mask, fp32 and any head dim, but not grouped-query heads (cuDNN attention, which
+    PyTorch may prefer on Hopper, takes both: there the repeat costs a K/V copy and is
+    harmless). Anything else falls to the math kernel, which materialises fp32 scores
+    `[B, h, Lq, Lk]` (12 GiB per layer for the 8B DFlash recipe). So where flash cannot take the
+    call, the key / value heads are repeated to the query heads (`[B, h, L, D]`: small beside
+    the scores it avoids). The CPU's
     flash kernel takes all of these, so only this rule (tests/draft/test_attention_kernels.py)
     keeps a CUDA run off the math kernel; `eagle-ray plan` measures the kernel CUDA picks
     (`train.memory.cuda_attention_kernels`).
     """
     groups = q.shape[1] // k.shape[1]
-    if groups > 1 and (mask is not None or attention_dtype(q) not in HALF_PRECISION):
+    flash_takes_it = (mask is None and attention_dtype(q) in HALF_PRECISION
+                      and q.shape[-1] <= FLASH_MAX_HEAD_DIM)
+    if groups > 1 and not flash_takes_it:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                           scale=scale, enable_gqa=k.shape[1] != q.shape[1])

@@ -148,7 +148,8 @@ def simulation_target(pool: PoolConfig, serving: DraftServing, longest: int
                       ) -> Iterator[RunnerEagle3TargetModel]:
     """The pool's own backend (a replica's: vLLM at the pool's `tp_size` by default) on the
     served checkpoint and dtype, capturing the draft's aux layers, its engine sized for
-    sequences of `longest` tokens: the simulation needs the target's aux states and
+    sequences of `longest` tokens and run in processes of its own (the serving engines after it
+    size themselves from the memory it leaves): the simulation needs the target's aux states and
     distributions at every position, which is what a replica computes. Shut down on exit."""
     from eagle_ray.backends import build_backend
     from eagle_ray.backends.engines import ENGINES
@@ -159,7 +160,9 @@ def simulation_target(pool: PoolConfig, serving: DraftServing, longest: int
         aux_layer_ids=list(exported_target(serving.draft_dir).aux_layer_ids),
         vllm_kwargs={k: v for k, v in pool.vllm_kwargs.items() if k != "max_model_len"})
     engine = ENGINES.get(config.backend)
-    target = build_backend(config if engine is None else engine.sized_for(config, longest))
+    if engine is not None:  # in its own process: its memory is back before serving starts
+        config = engine.in_own_process(engine.sized_for(config, longest))
+    target = build_backend(config)
     try:
         yield target
     finally:

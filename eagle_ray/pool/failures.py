@@ -75,6 +75,12 @@ OUT_OF_MEMORY_ATTEMPTS = 2  # a micro-batch that ran out of memory is tried once
 # torch's and Ray's out-of-memory errors by name (torch.OutOfMemoryError, the CUDA one,
 # ray.exceptions.OutOfMemoryError), and the words CUDA, vLLM and Ray's memory monitor use.
 _OUT_OF_MEMORY = re.compile(r"out[ _]of[ _]memory|OutOfMemory|memory pressure", re.IGNORECASE)
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` says memory ran out (its type or its words)."""
+    return isinstance(error, MemoryError | MicroBatchOutOfMemory) or bool(
+        _OUT_OF_MEMORY.search(f"{type(error).__name__} {error}"))
+
+
 def free_memory(error: BaseException | None = None) -> None:
     """Give back what a call that ran out of memory took: its garbage now, and the caching
     allocator's free blocks to the device (the next call may need them in other sizes).
@@ -85,12 +91,6 @@ def free_memory(error: BaseException | None = None) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """Whether `error` says memory ran out (its type or its words)."""
-    return isinstance(error, MemoryError | MicroBatchOutOfMemory) or bool(
-        _OUT_OF_MEMORY.search(f"{type(error).__name__} {error}"))
 
 
 def classify(error: BaseException) -> FailureKind:

@@ -31,9 +31,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from eagle_ray.draft.attention import HALF_PRECISION, attention_dtype
-
-FLASH_MAX_HEAD_DIM = 256  # flash attention's largest head dim on sm80+
+from eagle_ray.draft.attention import FLASH_MAX_HEAD_DIM, HALF_PRECISION, attention_dtype
 
 
 class TensorMemoryProbe(TorchDispatchMode):
@@ -68,10 +66,12 @@ class TensorMemoryProbe(TorchDispatchMode):
 
 
 def cuda_sdpa_kernel(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> str:
-    """The kernel CUDA's `scaled_dot_product_attention` picks for a call on sm80+ (PyTorch
-    2.5 - 2.13; cuDNN attention, off by default, aside): flash takes fp16 / bf16 without an
-    explicit mask, grouped-query heads included; the memory-efficient kernel takes masks and
-    fp32, but not grouped-query heads; the rest goes to math."""
+    """The kernel CUDA's `scaled_dot_product_attention` picks for a call on sm80+ without
+    cuDNN attention (which PyTorch prefers on Hopper with a recent cuDNN, and which takes masks
+    and grouped-query heads: where it runs, this rule overstates a masked grouped-query call):
+    flash takes fp16 / bf16 without an explicit mask up to head dim 256, grouped-query heads
+    included; the memory-efficient kernel takes masks and fp32, but not grouped-query heads;
+    the rest goes to math."""
     grouped = k.shape[1] != q.shape[1]
     half = attention_dtype(q) in HALF_PRECISION
     if half and mask is None and q.shape[-1] <= FLASH_MAX_HEAD_DIM:
@@ -112,6 +112,8 @@ def _math_attention(q, k, v, mask, is_causal, scale):
     materialised and kept for the backward."""
     dtype = attention_dtype(q)
     with torch.autocast(q.device.type, enabled=False):
+        if mask is not None and mask.dtype == torch.bool:  # CUDA turns it into a bias first
+            mask = torch.zeros(mask.shape, device=q.device).masked_fill(~mask, -math.inf)
         out, _ = torch.ops.aten._scaled_dot_product_attention_math(
             q.float(), k.float(), v.float(), mask, 0.0, is_causal, scale=scale,
             enable_gqa=k.shape[1] != q.shape[1])

@@ -15,11 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from eagle_ray.draft import dflash
-from eagle_ray.draft.attention import grouped_query_attention
+from eagle_ray.draft.attention import grouped_query_attention, ttt_attention
 from eagle_ray.draft.kinds import build_draft
 from eagle_ray.draft.model import DraftConfig
 from eagle_ray.plan import trainer_memory
-from eagle_ray.train.memory import TensorMemoryProbe, cuda_attention_kernels
+from eagle_ray.train.memory import (
+    TensorMemoryProbe,
+    cuda_attention_kernels,
+    cuda_sdpa_kernel,
+)
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64  # grouped-query: two query heads per key / value head
 
@@ -161,3 +165,31 @@ def test_trainer_memory_measures_under_cudas_kernels(monkeypatch):
     fixed = step_peak()
     monkeypatch.setattr(dflash, "grouped_query_attention", old_dflash_call)
     assert step_peak() - fixed >= HEADS * (64 * 8) * (256 + 64 * 8) * 4
+
+
+def test_ttt_attention_at_head_dim_256_stays_off_the_math_kernel():
+    """TTT attention pads the head dim by up to 10: at 256 (Gemma, Qwen3-Next shapes) flash
+    cannot take it, so the key / value heads are repeated for the memory-efficient kernel."""
+    torch.manual_seed(2)
+    q = torch.randn(1, HEADS, 16, 256, dtype=torch.bfloat16)
+    keys = [torch.randn(1, KV_HEADS, 16, 256, dtype=torch.bfloat16) for _ in range(2)]
+    with cuda_attention_kernels() as picked:
+        ttt_attention(q, keys, [k.clone() for k in keys], 1 / 16)
+    assert picked and "math" not in picked
+    # The control: the same padded call with grouped-query heads would run on math.
+    padded_q, padded_k = q.new_empty(1, HEADS, 17, 264), q.new_empty(1, KV_HEADS, 17, 264)
+    assert cuda_sdpa_kernel(padded_q, padded_k, None) == "math"
+
+
+def test_the_math_kernels_stand_in_computes_what_sdpa_does():
+    """Where the plan routes a call to the math kernel it still computes attention (a boolean
+    mask masks, as CUDA's bias does), so a real run under `cuda_attention_kernels` is right."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, h, 9, HEAD_DIM) for h in (HEADS, KV_HEADS, KV_HEADS))
+    mask = torch.rand(1, 1, 9, 9) > 0.4
+    mask[..., 0] = True
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    with cuda_attention_kernels() as picked:
+        got = old_dflash_call(q, k, v, scale=1 / math.sqrt(HEAD_DIM), mask=mask)
+    assert picked == ["math"]
+    torch.testing.assert_close(got, expected)

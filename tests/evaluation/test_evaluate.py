@@ -123,8 +123,9 @@ def test_a_reference_from_another_model_fails_the_greedy_check(served, monkeypat
 @pytest.mark.slow
 def test_the_simulation_reads_the_pools_vllm_backend_as_it_reads_hf(served):
     """On the pool's default backend (vLLM, the draft's aux layers, sized for the evaluation's
-    longest sequence) the states the simulation reads equal the HF reference's at every
-    position; the control: the states one token later differ far beyond the tolerance."""
+    longest sequence, in its own processes) the states the simulation reads equal the HF
+    reference's at every position; the control: the states one token later differ far beyond
+    the tolerance."""
     target, path, draft_dir = served
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = prompt_for_turn(tokenizer, [{"role": "user", "content": "Name a colour."}], 1)
@@ -132,6 +133,8 @@ def test_the_simulation_reads_the_pools_vllm_backend_as_it_reads_hf(served):
     with simulation_target(PoolConfig(model_path=path, dtype="float32"),
                            DraftServing(path, draft_dir, "float32"), 200) as backend:
         assert backend.aux_layer_ids == target.aux_layer_ids and backend.max_length == 200
+        # In processes of its own: its memory is back before the serving engines start.
+        assert backend.runner.multiprocess
         vllm_aux, vllm_last = target_states(backend, ids)
     hf_aux, hf_last = target_states(target, ids)
     assert vllm_aux.shape == hf_aux.shape and vllm_last.shape == hf_last.shape

@@ -40,6 +40,7 @@ v1/example_hidden_states_connector.py`; check them on every vLLM upgrade):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,9 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+
+logger = logging.getLogger(__name__)
 
 
 class _Done:
@@ -189,7 +193,11 @@ class EagleRayHiddenStatesConnector(ExampleHiddenStatesConnector):
         (last,) = start_hand_over([last], self._kv_cache.device, stream).result()
         rows = extract_from_kv_cache(self._kv_cache, last, len(last)).select(1, 0)
         copy = start_hand_over([rows], "cpu", stream)
-        self._executor.submit(lambda: self._publish(keys, copy.result()[0], self._rank_rows))
+        published = self._executor.submit(
+            lambda: self._publish(keys, copy.result()[0], self._rank_rows))
+        published.add_done_callback(lambda f: f.exception() and logger.error(
+            "TP rank %d could not publish its rank-check rows: %r", self._tp_rank,
+            f.exception()))
 
     def _slots(self, pending: PendingSave) -> torch.Tensor:
         """The KV-cache slots of the request's tokens, in order: only its own, so the gather is
