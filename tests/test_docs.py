@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_ray.bench import tables
+from eagle_ray.bench import markdown, tables
 from eagle_ray.cli import build_parser
 from eagle_ray.config import JobConfig, PoolConfig, reference
 
@@ -35,6 +35,15 @@ def test_every_section_of_a_job_config_has_its_table():
 def test_the_benchmark_tables_are_generated_from_the_saved_runs():
     assert (ROOT / "docs/benchmarks.md").read_text() == \
         tables.render(ROOT / "benchmarks/results"), REGENERATE
+
+
+def test_published_benchmarks_come_from_commits_and_read_in_an_editor():
+    dirty = [path.name for path in (ROOT / "benchmarks/results").glob("*/*.jsonl")
+             if "-dirty" in path.name or '-dirty"' in path.read_text()]
+    assert not dirty, f"results from uncommitted code (run them again from a commit): {dirty}"
+    long_lines = [n for n, line in enumerate((ROOT / "docs/benchmarks.md").read_text()
+                                             .splitlines(), 1) if len(line) > markdown.MAX_LINE]
+    assert not long_lines, f"docs/benchmarks.md lines over {markdown.MAX_LINE}: {long_lines}"
 
 
 def test_a_key_without_a_docstring_fails_the_reference():

@@ -54,5 +54,5 @@ def run(repeats: int = 5) -> None:
                 emit("handoff", "seconds_per_token", seconds / tokens, "s/token", mode=mode,
                      tokens=tokens, hidden=hidden, dtype=str(dtype).removeprefix("torch."),
                      mb=round(states.numel() * states.element_size() / 2**20, 2),
-                     baseline="memcpy_warm", ratio=round(seconds / copy_s, 3))
+                     baseline="memcpy_warm", ratio=float(f"{seconds / copy_s:.3g}"))
         reader.discard(prefix)

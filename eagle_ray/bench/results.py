@@ -52,10 +52,16 @@ def commit() -> str:
 
 def save(which: str, records: list[dict[str, Any]], options: dict[str, Any],
          directory: Path = RESULTS_DIR) -> Path:
-    """Write one run's `records` to a new file under `directory/which/` and return its path."""
+    """Write one run's `records` to a new file under `directory/which/` and return its path.
+    Runs published in the repository's results must come from committed code, so a reader can
+    check out what measured them: a checkout with uncommitted changes is refused there."""
     now = datetime.datetime.now(datetime.UTC)
     run = {"commit": commit(), "machine": machine(), "date": now.isoformat(timespec="seconds"),
            "options": options}
+    if run["commit"].endswith("-dirty") and Path(directory).resolve() == RESULTS_DIR.resolve():
+        raise ValueError(f"bench {which}: not saved to {RESULTS_DIR}: the checkout has "
+                         f"uncommitted changes ({run['commit']}); commit them (or stash them) "
+                         f"and run the benchmark again, or save elsewhere with --save DIR")
     folder = Path(directory) / which
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{now:%Y%m%dT%H%M%S.%f}-{run['commit']}.jsonl"

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle_ray.bench import BENCHMARKS
+from eagle_ray.bench.markdown import table as markdown_table
+from eagle_ray.bench.markdown import wrap
 from eagle_ray.bench.results import RESULTS_DIR, load
 
 MIN_RUNS_FOR_A_RATIO = 3  # a ratio is published as the median of at least this many runs
@@ -117,11 +119,17 @@ def line_keys(table: list[dict[str, Any]]) -> list[str]:
     return sorted(keys - {"baseline"})
 
 
-def constants(table: list[dict[str, Any]]) -> dict[str, Any]:
-    """Parameters every row carries with one value (the run's settings, said once)."""
-    first = table[0]["parameters"]
-    return {k: v for k, v in first.items() if k != "baseline"
-            and all(row["parameters"].get(k) == v for row in table)}
+def settings(table: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
+    """The fields every row that carries them carries with one value, in every run (the run's
+    settings, such as `minutes` or a fixed `forward_s`): said once above the table, not in it."""
+    values: dict[str, set] = {}
+    for row in table:
+        for k, v in row["parameters"].items():
+            values.setdefault(k, set()).add(str(v))
+        for k, vs in row["measured"].items():
+            values.setdefault(k, set()).update(_number(v) for v in vs)
+    return {k: next(iter(v)) for k, v in values.items()
+            if len(v) == 1 and k not in keys and k != "baseline"}
 
 
 def pivot(table: list[dict[str, Any]]) -> tuple[list[str], list[tuple], dict]:
@@ -147,46 +155,92 @@ def pivot(table: list[dict[str, Any]]) -> tuple[list[str], list[tuple], dict]:
 
 
 def conclusion(table: list[dict[str, Any]]) -> str:
-    """One line computed from the figures: per compared metric, the settings with the lowest
-    and the highest median ratio against its baseline."""
+    """What the ratios say, computed: per compared metric and baseline, whether every run of
+    every setting lies above it, below it, or which settings fall on which side (a setting
+    whose runs lie on both sides of 1 is undecided by these runs)."""
     keys = line_keys(table)
-    parts = []
-    for metric in dict.fromkeys(row["metric"] for row in table):
-        compared = [row for row in table if row["metric"] == metric and row["ratios"]
-                    and row["parameters"].get("baseline") is not None
-                    and statistics.median(row["ratios"]) != 1]
-        if not compared:
-            continue
-        low, high = (f(compared, key=lambda r: statistics.median(r["ratios"]))
-                     for f in (min, max))
 
-        def setting(row):
-            return ", ".join(f"{k}={row['parameters'][k]}" for k in keys
-                             if row["parameters"].get(k) is not None) or "the only setting"
-        baseline = low["parameters"]["baseline"]
-        span = (f"{_number(statistics.median(low['ratios']))}x ({setting(low)})"
-                + ("" if low is high else
-                   f" to {_number(statistics.median(high['ratios']))}x ({setting(high)})"))
-        parts.append(f"{metric} {span} of {baseline}")
+    def setting(row: dict[str, Any]) -> str:
+        return " ".join(f"{k}={row['parameters'][k]}" for k in keys
+                        if row["parameters"].get(k) is not None)
+
+    def detail(compared: list[dict[str, Any]]) -> str:
+        ordered = sorted(compared, key=lambda r: statistics.median(r["ratios"]))
+        ratios = [f"{_number(statistics.median(r['ratios']))}x" for r in ordered]
+        at = [f" at {setting(r)}" if setting(r) else "" for r in ordered]
+        if len(ordered) > 3:
+            return f"from {ratios[0]}{at[0]} to {ratios[-1]}{at[-1]}"
+        return ", ".join(r + a for r, a in zip(ratios, at, strict=True))
+
+    parts = []
+    for metric, baseline in dict.fromkeys((row["metric"], row["parameters"].get("baseline"))
+                                          for row in table):
+        compared = [row for row in table if row["metric"] == metric and row["ratios"]
+                    and row["parameters"].get("baseline") == baseline
+                    and any(r != 1 for r in row["ratios"])]
+        if not compared or baseline is None:
+            continue
+        sides = {"above": [r for r in compared if min(r["ratios"]) > 1],
+                 "below": [r for r in compared if max(r["ratios"]) < 1]}
+        sides["not told apart (runs on both sides)"] = [
+            r for r in compared if r not in sides["above"] and r not in sides["below"]]
+        every = "in every run" + (" at every setting" if len(compared) > 1 else "")
+        whole = next((side for side, rs in sides.items() if len(rs) == len(compared)), None)
+        if whole in ("above", "below"):
+            parts.append(f"`{metric}` is {whole} {baseline} {every} ({detail(compared)})")
+        elif whole:
+            parts.append(f"`{metric}` is not told apart from {baseline} by these runs, which "
+                         f"fall on both sides of it ({detail(compared)})")
+        else:
+            parts.append(f"`{metric}` against {baseline}: " + "; ".join(
+                f"{side} at {len(rs)} of {len(compared)} settings ({detail(rs)})"
+                for side, rs in sides.items() if rs))
     return ("**In short:** " + "; ".join(parts) + ".") if parts else ""
 
 
-def section(which: str, runs: list[list[dict[str, Any]]]) -> list[str]:
-    """A benchmark's heading, the question it answers, the runs it summarises, one table (a
-    column per metric, values in readable units, ratios beside them) and its conclusion."""
-    table = rows(runs)
-    if any(row["ratios"] for row in table) and len(runs) < MIN_RUNS_FOR_A_RATIO:
+def _published(which: str, runs: list[list[dict[str, Any]]]) -> None:
+    """Refuse runs that cannot stand as published figures (too few for a ratio)."""
+    if any(record.get("ratio") is not None for run in runs for record in run) \
+            and len(runs) < MIN_RUNS_FOR_A_RATIO:
         raise StaleResults(f"bench {which}: {len(runs)} saved run(s); a ratio is published as "
                            f"the median of at least {MIN_RUNS_FOR_A_RATIO} (run "
                            f"`eagle-ray bench {which} --save` again)")
+
+
+def provenance(runs: list[list[dict[str, Any]]], fixed: dict[str, Any]) -> str:
+    """Which runs a table summarises: how many, when, from which commits, on what machine, with
+    what command and settings."""
     first = runs[0][0]
     machines = {(r[0]["machine"]["cores"], r[0]["machine"]["cpu"], r[0]["machine"]["memory_gib"],
                  r[0]["machine"]["gpu"]) for r in runs}
-    varying, lines, cells = pivot(table)
-    fixed = constants(table)
+    return (f"{len(runs)} run{'s' if len(runs) > 1 else ''}, "
+            f"{min(r[0]['date'] for r in runs)[:10]} to {max(r[0]['date'] for r in runs)[:10]}, "
+            f"commits {', '.join(sorted({r[0]['commit'] for r in runs}))}; "
+            + "; ".join(f"{cores} cores ({cpu}), {memory} GiB" + (f", {gpu}" if gpu else "")
+                        for cores, cpu, memory, gpu in sorted(machines, key=str))
+            + f"; `{first['options']['command']}`"
+            + "".join(f"; {k} {v}" for k, v in fixed.items()) + ".")
+
+
+def _extra(row: dict[str, Any], key: str) -> str | None:
+    if key in row["measured"]:
+        return _number(statistics.median(row["measured"][key]))
+    return None if row["parameters"].get(key) is None else str(row["parameters"][key])
+
+
+def section(which: str, runs: list[list[dict[str, Any]]]) -> list[str]:
+    """A benchmark's heading, the question it answers, the runs it summarises, its table (a line
+    per setting, a column per metric in a readable unit with its ratio, a column per other
+    figure measured) and its conclusion."""
+    _published(which, runs)
+    table = rows(runs)
+    keys, lines, cells = pivot(table)
+    fixed = settings(table, keys)
     columns = list(dict.fromkeys(column for _, column in cells))
-    headers = []
-    scales = {}
+    extras = [k for k in dict.fromkeys(k for row in table
+                                       for k in [*row["parameters"], *row["measured"]])
+              if k not in keys and k not in fixed and k != "baseline"]
+    headers, scales = [], {}
     for metric, baseline in columns:
         rows_of = [row for (_, c), row in cells.items() if c == (metric, baseline)]
         factor, unit = scaled_unit(rows_of[0]["unit"],
@@ -195,35 +249,24 @@ def section(which: str, runs: list[list[dict[str, Any]]]) -> list[str]:
         against = baseline or next((r["parameters"].get("baseline") for r in rows_of
                                     if r["ratios"]), None)
         headers.append(f"{metric} ({unit}" + (f"; x {against}" if against else "") + ")")
-    out = [f"## `eagle-ray bench {which}`", "", description(which), "",
-           f"{len(runs)} runs, {min(r[0]['date'] for r in runs)[:10]} to "
-           f"{max(r[0]['date'] for r in runs)[:10]}, commits "
-           f"{', '.join(sorted({r[0]['commit'] for r in runs}))}; "
-           + "; ".join(f"{cores} cores ({cpu}), {memory} GiB" + (f", {gpu}" if gpu else "")
-                       for cores, cpu, memory, gpu in sorted(machines, key=str))
-           + f"; `{first['options']['command']}`"
-           + "".join(f"; {k}={v}" for k, v in fixed.items()) + ".", "",
-           "| " + " | ".join(varying + headers) + " |",
-           "|" + "---|" * (len(varying) + len(headers))]
+    body = []
     for line in lines:
-        row_cells = []
+        of_line = [row for (at, _), row in cells.items() if at == line]
+        cell_texts = ["" if v is None else str(v) for v in line]
         for column in columns:
             row = cells.get((line, column))
-            if row is None:
-                row_cells.append("")
-                continue
-            cell = figure(row["values"], scales[column])
-            if row["ratios"] and row["parameters"].get("baseline") is not None:
+            cell = "" if row is None else figure(row["values"], scales[column])
+            if row is not None and row["ratios"] and row["parameters"].get("baseline"):
                 cell += f" · {figure(row['ratios'])}x"
-            cell += "".join(f" · {k} {_number(statistics.median(v))}"
-                            for k, v in row["measured"].items())
-            cell += "".join(f" · {k} {v}" for k, v in row["parameters"].items()
-                            if k not in varying and k not in fixed and k != "baseline")
-            row_cells.append(cell)
-        out.append("| " + " | ".join(["" if v is None else str(v) for v in line] + row_cells)
-                   + " |")
+            cell_texts.append(cell)
+        for key in extras:
+            found = dict.fromkeys(v for v in (_extra(row, key) for row in of_line) if v)
+            cell_texts.append(" / ".join(found))
+        body.append(cell_texts)
     summary = conclusion(table)
-    return out + ([""] + [summary] if summary else []) + [""]
+    return ([f"## `eagle-ray bench {which}`", "", wrap(description(which)), "",
+             wrap(provenance(runs, fixed)), ""] + markdown_table(keys, headers + extras, body)
+            + ([""] + [wrap(summary)] if summary else []) + [""])
 
 
 def render(directory: Path = RESULTS_DIR) -> str:
@@ -232,13 +275,14 @@ def render(directory: Path = RESULTS_DIR) -> str:
     lines = ["# Benchmarks", "",
              "<!-- generated by `python -m eagle_ray.bench.tables > docs/benchmarks.md` from "
              "benchmarks/results/; do not edit -->", "",
-             "Every figure is the median over the saved runs of its benchmark (range in "
-             "brackets; `· 1.2x` is its ratio to the baseline its column names), each run "
-             "measuring its comparisons side by side "
-             "(`eagle-ray bench NAME --save`; testing.md says how CI runs every benchmark "
-             f"with `--quick`). A ratio is published from at least {MIN_RUNS_FOR_A_RATIO} runs. "
-             "These are a shared 2-core CPU machine's figures unless a GPU is named: compare "
-             "within a table, not across machines.", ""]
+             wrap("Every figure is the median over the saved runs of its benchmark (range in "
+                  "brackets; `· 1.2x` is its ratio to the baseline its column names), each run "
+                  "measuring its comparisons side by side (`eagle-ray bench NAME --save`, from "
+                  "committed code only; testing.md says how CI runs every benchmark with "
+                  f"`--quick`). A ratio is published from at least {MIN_RUNS_FOR_A_RATIO} runs. "
+                  "These are a shared 2-core CPU machine's figures unless a GPU is named: "
+                  "compare within a table, not across machines. Settings every line shares are "
+                  "said once, above the table."), ""]
     for which in BENCHMARKS:
         if which in saved:
             lines += section(which, saved[which])
@@ -246,7 +290,7 @@ def render(directory: Path = RESULTS_DIR) -> str:
     if missing:
         lines += ["## Not measured here yet", "",
                   "No saved runs yet (`eagle-ray bench NAME --save` adds them):", ""]
-        lines += [f"- `{w}`: {description(w)}" for w in missing] + [""]
+        lines += [wrap(f"- `{w}`: {description(w)}") for w in missing] + [""]
     return "\n".join(lines)
 
 

@@ -145,8 +145,8 @@ class VLLMTargetRunner(TargetRunner):
     the final pre-norm hidden state. Options:
 
     - `multiprocess`: run the engine core in its own process; None: only when `tp_size > 1` (an
-      in-process engine starts about 5x faster and hands states over through a dictionary, but
-      there can be one per process).
+      in-process engine starts about 3x faster -- `eagle-ray bench engine-start` -- and hands
+      states over through a dictionary, but there can be one per process).
     - `handoff`: how captured states come back: "inprocess" (a dictionary; in-process engine,
       TP 1), "shm" (one persistent ring per engine in /dev/shm, read as zero-copy views) or
       "file" (a file per request in `handoff_dir`); None: the cheapest that works. Turned into
