@@ -131,6 +131,22 @@ def test_the_exact_expectation_stands_beside_vllm_and_the_simulation():
     assert len(apart) == 1 and "k=3, t=1" in apart[0] and "k=3, t=0" not in apart[0]
 
 
+def test_the_draft_line_gives_the_counted_forwards_and_flags_a_draft_run_against_its_kind():
+    from eagle_ray.train.report import acceptance_lines
+
+    def draft_line(**draft):
+        report = {"prompts": 1, "turns": 1, "draft": {"kind": "peagle", **draft}}
+        return next(line for line in acceptance_lines(report) if line.startswith("  draft"))
+
+    line = draft_line(forwards_per_verify_step={"3": 1.0, "7": None}, drafts_as_its_kind=True,
+                      seconds_per_verify_step={"3": 0.002})
+    assert "1 forward(s) 2.0 ms at k=3, forwards not counted at k=7" in line
+    assert "not what its kind runs" not in line
+    # The control: counts a P-EAGLE draft does not run (served as a chain) are called out.
+    assert draft_line(forwards_per_verify_step={"3": 3.0}, drafts_as_its_kind=False).endswith(
+        "3 forward(s) at k=3 (counted in vLLM: not what its kind runs)")
+
+
 def test_report_png_has_no_empty_panel_without_an_evaluation(tmp_path):
     """With an evaluation: the training row and the acceptance row; without one, the training
     row alone (no blank panels)."""

@@ -8,11 +8,12 @@ captures), for the same steps, each shaped as its tiny example (DFlash: three la
 the same held-out prompts: the greedy simulation's acceptance at each k (the HF target), and
 vLLM serving each exported draft at each k as the job would (`DraftServing`): its acceptance,
 whether greedy output stayed unchanged, output tokens per second of wall time (best of the
-rounds, the drafts interleaved), the draft forwards per verify step -- k for EAGLE-3's chain,
-one for parallel drafting (P-EAGLE, DFlash's block), which is what those trade acceptance for
--- and the draft's own time per verify step (the simulation's proposal, median of 5 per
-prompt). Ratios are against EAGLE-3. On the CPU build the tiny draft costs about as much
-as the tiny target, so the tokens/s ratio shows the mechanism, not a GPU's gain.
+rounds, the drafts interleaved), the draft forwards per verify step counted in vLLM's engine
+(`eagle_ray.backends.vllm.draft_forwards`; k for EAGLE-3's chain, one for parallel drafting,
+P-EAGLE and DFlash's block, which is what those trade acceptance for) -- and the draft's own
+time per verify step (the simulation's proposal, median of 5 per prompt). Ratios are against
+EAGLE-3. On the CPU build the tiny draft costs about as much as the tiny target, so the
+tokens/s ratio shows the mechanism, not a GPU's gain.
 """
 
 from __future__ import annotations
@@ -51,19 +52,19 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
     held_out = [prompt_for_turn(tokenizer, s["messages"], 2)
                 for s in generate_chat_samples(prompts, seed=77)]
     answers = [greedy_generate(targets["eagle3"], p, max_new_tokens, stops) for p in held_out]
-    drafts, simulated, draft_seconds = {}, {}, {}
+    exports, simulated, draft_seconds = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind, target in targets.items():
             supervision, vocab = _supervision(target, tokenizer, samples)
             draft, folder = _train_and_export(
                 kind, target, tokenizer, vocab, supervision, steps, max(ks),
                 TargetIdentity.of_backend(target, model_path), Path(tmp) / kind)
-            drafts[kind] = (draft, folder)
+            exports[kind] = folder
             simulated[kind] = _simulate(target, draft, vocab, held_out, answers, ks)
             draft_seconds[kind] = draft_seconds_per_verify_step(target, draft, vocab, held_out,
                                                                 ks, repeats=5)
-        served_rates = _serve(model_path, {k: d for k, (_, d) in drafts.items()}, held_out, ks,
-                              max_new_tokens, stops, answers, rounds)
+        served_rates, served_forwards = _serve(model_path, exports, held_out, ks, max_new_tokens,
+                                               stops, answers, rounds)
     for k in ks:
         for kind in kinds:
             common = {"kind": kind, "k": k, "steps": steps, "baseline": "eagle3"}
@@ -75,9 +76,10 @@ def run(model_path: str, steps: int = 150, ks: tuple[int, ...] = (3, 7), prompts
                  ratio=round(length / base[0], 3), greedy_unchanged=equal, **common)
             emit("drafts", "vllm_output_tokens_per_s", round(rate, 1), "tok/s",
                  ratio=round(rate / base[2], 3), **common)
-            forwards = 1 if drafts[kind][0].drafts_in_parallel else k
-            emit("drafts", "draft_forwards_per_verify_step", forwards, "forwards",
-                 ratio=round(forwards / k, 3), **common)
+            forwards, base_forwards = served_forwards[kind][k], served_forwards["eagle3"][k]
+            if forwards is not None and base_forwards:
+                emit("drafts", "draft_forwards_per_verify_step", round(forwards, 3), "forwards",
+                     ratio=round(forwards / base_forwards, 3), **common)
             seconds = draft_seconds[kind][k]
             emit("drafts", "draft_seconds_per_verify_step", seconds, "s",
                  ratio=round(seconds / draft_seconds["eagle3"][k], 3), **common)
@@ -132,11 +134,14 @@ def _simulate(target, draft, vocab, prompts, answers, ks) -> dict[int, float]:
 
 
 def _serve(model_path: str, exports: dict[str, Path], prompts, ks, max_new_tokens: int, stops,
-           answers, rounds: int) -> dict[str, dict[int, tuple[float, bool, float]]]:
-    """Per kind and k: (vLLM's acceptance length, greedy output unchanged, output tokens/s)."""
+           answers, rounds: int) -> tuple[dict[str, dict[int, tuple[float, bool, float]]],
+                                          dict[str, dict[int, float | None]]]:
+    """Per kind and k: (vLLM's acceptance length, greedy output unchanged, output tokens/s),
+    and the draft forwards per verify step its engine ran (None: not counted, logged)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from eagle_ray.backends.vllm import draft_forwards
     from eagle_ray.backends.vllm.runner import CPU_DEFAULTS, build_llm
     from eagle_ray.draft.serving import DraftServing
     from eagle_ray.evaluation.acceptance import AcceptanceTally
@@ -145,12 +150,15 @@ def _serve(model_path: str, exports: dict[str, Path], prompts, ks, max_new_token
                             stop_token_ids=list(stops), detokenize=False)
     requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
     results: dict[str, dict[int, tuple[float, bool, float]]] = {kind: {} for kind in exports}
+    forwards: dict[str, dict[int, float | None]] = {kind: {} for kind in exports}
     for k in ks:
         engines = {kind: build_llm({**CPU_DEFAULTS, **DraftServing.for_target(
             model_path, folder, "float32").engine_kwargs(k), "max_model_len": 512,
-            "per_request_spec_decode_metrics": "summary"}, multiprocess=True)
+            "per_request_spec_decode_metrics": "summary",
+            "worker_extension_cls": draft_forwards.EXTENSION}, multiprocess=True)
             for kind, folder in exports.items()}
         try:
+            counting = {kind: draft_forwards.start_counting(llm) for kind, llm in engines.items()}
             best, last = {kind: 0.0 for kind in exports}, {}
             for _ in range(rounds):  # interleaved: drift on a shared machine hits both
                 for kind, llm in engines.items():
@@ -166,8 +174,10 @@ def _serve(model_path: str, exports: dict[str, Path], prompts, ks, max_new_token
                         tally.add(output.outputs[0].spec_decode_metrics.histogram)
                 unchanged = [list(o.outputs[0].token_ids) for o in outputs] == answers
                 results[kind][k] = (tally.length(), unchanged, best[kind])
+                counts = draft_forwards.read(engines[kind]) if counting[kind] else None
+                forwards[kind][k] = counts.per_verify_step() if counts else None
         finally:
             for llm in engines.values():
                 llm.llm_engine.engine_core.shutdown()
-    return results
+    return results, forwards
 

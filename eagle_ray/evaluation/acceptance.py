@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from eagle_ray.backends.base import Sampling
+from eagle_ray.backends.vllm import draft_forwards
 from eagle_ray.console import native_output_to_log
 from eagle_ray.data.chat import prompt_for_turn
 from eagle_ray.draft.serving import DraftServing
@@ -132,16 +133,19 @@ def vllm_acceptance_table(
     bootstrap_samples: int = 1000, seed: int = 0,
 ) -> list[dict[str, Any]]:
     """One row per (k, temperature): `summarise`'s figures, the prompts that failed (counted,
-    with why), and at temperature 0 the share of answers equal to `reference`'s (the target's
-    greedy answers without speculation; speculation must not change them; `reference` answers
-    None for a prompt it does not know, which counts as changed)."""
+    with why), the draft forwards vLLM ran (`draft_forwards.since`), and at temperature 0 the
+    share of answers equal to `reference`'s (the target's greedy answers without speculation;
+    speculation must not change them; `reference` answers None for a prompt it does not know,
+    which counts as changed)."""
     rows = []
     max_model_len = eval_max_model_len(serving.model_path, prompts, tokenizer, max_new_tokens)
     for k in ks:
         with evaluation_engine(serving, k, max_model_len, seed) as llm:
             for temperature in temperatures:
+                before = draft_forwards.read(llm)
                 rows.append(_measure(llm, prompts, tokenizer, k, temperature, max_new_tokens,
                                      stop_token_ids, reference, bootstrap_samples, seed))
+                rows[-1]["draft_forwards"] = draft_forwards.since(llm, before)
                 logger.info("acceptance k=%d temperature %.1f: %.2f (95%% %.2f-%.2f) over %d "
                             "prompts", k, temperature, rows[-1]["mean_acceptance_length"],
                             *rows[-1]["interval_95"], rows[-1]["prompts"])
@@ -216,16 +220,19 @@ def evaluation_engine(serving: DraftServing, k: int | None, max_model_len: int, 
                       ) -> Iterator[Any]:
     """vLLM serving the draft as the target's speculative model with `k` tokens per step (as
     `serving.command(k)` does), keeping per-request acceptance counters; with `k` None the same
-    engine without the draft (the reference). Its sampling seeded with `seed`; shut down on
-    exit, so the next engine gets the device."""
+    engine without the draft (the reference). Its sampling seeded with `seed`; its draft
+    forwards counted (`draft_forwards`); shut down on exit, so the next engine gets the device."""
     from eagle_ray.backends.vllm.runner import serving_engine
 
     kwargs = serving.target_engine_kwargs() if k is None else {
-        **serving.engine_kwargs(k), "per_request_spec_decode_metrics": "summary"}
+        **serving.engine_kwargs(k), "per_request_spec_decode_metrics": "summary",
+        "worker_extension_cls": draft_forwards.EXTENSION}
     with contextlib.ExitStack() as stack:
         with native_output_to_log():
             llm = stack.enter_context(serving_engine({
                 **kwargs, "max_model_len": max_model_len, "seed": seed}))
+        if k is not None:
+            draft_forwards.start_counting(llm)
         yield llm
 
 

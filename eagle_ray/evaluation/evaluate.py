@@ -4,7 +4,8 @@ target's GPUs are (a Ray task: `evaluate_on_cluster`).
 1. vLLM itself serving the exported draft as the target's `eagle3` speculative model, at each
    `eval.num_speculative_tokens` k and `eval.temperatures` temperature, with intervals
    (`eagle_ray.evaluation.acceptance`); at temperature 0 its output must equal the target's
-   greedy output without speculation.
+   greedy output without speculation. Its engine counts the draft's forwards per verify step
+   (`eagle_ray.backends.vllm.draft_forwards`): one for a parallel draft, k for a chain.
 2. The project's own chain-drafting simulation (`eagle_ray.evaluation.simulate`) on the same
    turns, at the same k and temperatures, for the trained draft and an untrained one (the
    baseline), on the target's aux states and distributions from the pool's own backend (vLLM at
@@ -24,6 +25,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -207,6 +209,8 @@ def evaluate_draft(target: PoolConfig, serving: DraftServing, prompts: EvalPromp
             serving, prompts.prompts, tokenizer, ks, eval_config.temperatures, n, stops,
             reference=greedy, bootstrap_samples=eval_config.bootstrap_samples,
             seed=eval_config.seed)
+    report["draft"].update(measured_draft_forwards(report.get("vllm", []), ks,
+                                                   report["draft"]["kind"]))
     logger.info("evaluation on %d prompts (%d turns): %s", len(prompts.prompts),
                 report["turns"], "; ".join(
                     f"k={r['num_speculative_tokens']} t={r['temperature']:g} "
@@ -225,11 +229,8 @@ def _simulate(pool: PoolConfig, serving: DraftServing, longest: int,
         trained, untrained, vocab = _drafts(target, serving.draft_dir)
         seconds = draft_seconds_per_verify_step(target, trained, vocab, turn_prompts[:4], ks)
         report: dict[str, Any] = {
-            # What parallel drafting is for: vLLM runs one draft forward per verify step for a
-            # P-EAGLE or DFlash draft, k (one per drafted token) for an EAGLE-3 chain.
+            # Its forwards per verify step are counted where vLLM serves it (`draft_forwards`).
             "draft": {"kind": trained.kind,
-                      "forwards_per_verify_step": {
-                          str(k): 1 if trained.drafts_in_parallel else k for k in ks},
                       "seconds_per_verify_step": {str(k): t for k, t in seconds.items()}},
             "target_top_probability": target_top_probability(target, turn_prompts,
                                                              continuations),
@@ -245,6 +246,32 @@ def _simulate(pool: PoolConfig, serving: DraftServing, longest: int,
                             row["trained_expected"], row["untrained"], row["untrained_expected"])
             report["simulated"].append(row)
     return report
+
+
+def measured_draft_forwards(rows: Sequence[dict[str, Any]], ks: Sequence[int], kind: str
+                            ) -> dict[str, Any]:
+    """The draft forwards per verify step vLLM ran at each k (its rows' counts pooled over
+    temperatures; None where nothing was counted), and whether they are what a draft of `kind`
+    runs -- one pass if it drafts in parallel, k chained ones if not (logged where not: a P-EAGLE
+    draft served without `parallel_drafting` runs as a chain)."""
+    from eagle_ray.backends.vllm.draft_forwards import DraftForwards
+    from eagle_ray.draft.kinds import draft_class
+
+    parallel = draft_class(kind).drafts_in_parallel
+    measured: dict[str, float | None] = {}
+    as_its_kind: list[bool] = []
+    for k in ks:
+        counts = [DraftForwards(**r["draft_forwards"]) for r in rows
+                  if r["num_speculative_tokens"] == k and r.get("draft_forwards")]
+        per_step = sum(counts, DraftForwards()).per_verify_step()
+        measured[str(k)] = None if per_step is None else round(per_step, 3)
+        if per_step is not None:
+            as_its_kind.append(math.isclose(per_step, 1 if parallel else k))
+            if not as_its_kind[-1]:
+                logger.warning("vLLM ran %.3g draft forwards per verify step at k=%d, where a "
+                               "%s draft runs %s", per_step, k, kind, "one" if parallel else k)
+    return {"forwards_per_verify_step": measured,
+            "drafts_as_its_kind": all(as_its_kind) if as_its_kind else None}
 
 
 def _drafts(target: RunnerEagle3TargetModel, draft_dir: str

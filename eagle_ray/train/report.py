@@ -78,9 +78,12 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
         draft = report["draft"]
         seconds = draft.get("seconds_per_verify_step", {})
         lines.append(f"  draft       {_kind_title(draft['kind'])}: per verify step "
-                     + ", ".join(f"{n} forward(s)" + (f" {1e3 * seconds[k]:.1f} ms"
-                                                      if k in seconds else "") + f" at k={k}"
-                                 for k, n in draft["forwards_per_verify_step"].items()))
+                     + ", ".join(("forwards not counted" if n is None else f"{n:g} forward(s)")
+                                 + (f" {1e3 * seconds[k]:.1f} ms"
+                                    if k in seconds else "") + f" at k={k}"
+                                 for k, n in draft["forwards_per_verify_step"].items())
+                     + ("" if draft.get("drafts_as_its_kind") is not False
+                        else " (counted in vLLM: not what its kind runs)"))
     lines += [f"  acceptance  length (1 + accepted / verify steps) on {report['prompts']} "
               f"prompts ({report['turns']} turns){'; 95% intervals' if measured else ''}",
               _row("", [_setting(c) for c in columns], width)]

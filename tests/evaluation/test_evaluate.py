@@ -24,7 +24,8 @@ from eagle_ray.evaluation.prompts import EvalPrompt, EvalPrompts
 from eagle_ray.evaluation.simulate import target_states
 from eagle_ray.tiny import tiny_target
 
-SPECULATION_KEYS = {"speculative_config", "per_request_spec_decode_metrics"}
+SPECULATION_KEYS = {"speculative_config", "per_request_spec_decode_metrics",
+                    "worker_extension_cls"}
 PROMPTS = [EvalPrompt((), ("What is one plus two?", "And plus three?")),
            EvalPrompt((), ("What is the capital of Peru?",)),
            EvalPrompt((), ("Name a colour.",))]
@@ -47,10 +48,12 @@ def served(tmp_path_factory):
 class FakeEngines:
     """`runner.build_llm` recording each engine's kwargs, answering greedily with `reference`
     (an engine without a speculative config) or `speculative` (with one), and noting which
-    engines were alive when each was built."""
+    engines were alive when each was built. A speculative engine's workers count
+    `forwards_per_step` draft forwards per generate call (`draft_forwards`' worker methods)."""
 
-    def __init__(self, reference, speculative) -> None:
+    def __init__(self, reference, speculative, forwards_per_step: int = 2) -> None:
         self.answerers = {"reference": reference, "speculative": speculative}
+        self.forwards_per_step = forwards_per_step
         self.built: list[tuple[str, dict]] = []
         self.alive_at_build: list[int] = []
         self.prompts: dict[str, list[list[list[int]]]] = {"reference": [], "speculative": []}
@@ -63,6 +66,7 @@ class FakeEngines:
         self.alive += 1
         return types.SimpleNamespace(
             generate=lambda prompts, params, use_tqdm: self._generate(kind, prompts, params),
+            collective_rpc=self._collective_rpc,
             llm_engine=types.SimpleNamespace(
                 model_config=types.SimpleNamespace(max_model_len=kwargs["max_model_len"]),
                 engine_core=types.SimpleNamespace(shutdown=self._shutdown)))
@@ -74,6 +78,13 @@ class FakeEngines:
             params.max_tokens, params.temperature, stop_token_ids=tuple(params.stop_token_ids)))
         return [types.SimpleNamespace(outputs=[types.SimpleNamespace(
             token_ids=a, spec_decode_metrics=None)]) for a in answers]
+
+    def _collective_rpc(self, method):
+        steps = len(self.prompts["speculative"])
+        return [{"eagle_ray_count_draft_forwards": True,
+                 "eagle_ray_draft_forwards": {"rank": 0, "proposals": steps, "requests": steps,
+                                              "forwards": self.forwards_per_step * steps}
+                 }[method]]
 
     def _shutdown(self):
         self.alive -= 1
@@ -110,6 +121,20 @@ def test_the_reference_is_the_served_engine_without_the_draft(served, monkeypatc
     assert engines.prompts["speculative"] == engines.prompts["reference"]
     assert report["turns"] == 4 and report["failed_prompts"] == 0
     assert report["vllm"][0]["greedy_equal_fraction"] == 1.0
+    assert report["draft"]["forwards_per_verify_step"] == {"2": 2.0}  # the engine's count
+    assert report["draft"]["drafts_as_its_kind"] is True
+
+
+def test_the_draft_forwards_reported_are_those_the_engine_counted(served, monkeypatch):
+    """The summary's forwards per verify step are what the serving engine's workers counted,
+    not what the draft's kind says: an engine that ran one pass per step for an EAGLE-3 chain
+    at k = 2 is reported as one, and flagged (an engine that ran 2 is not: the first test; each
+    kind on a real engine: tests/train/test_train.py)."""
+    engines = FakeEngines(reference=served[0], speculative=served[0], forwards_per_step=1)
+    draft = evaluate_with(engines, served, monkeypatch)["draft"]
+    assert draft["kind"] == "eagle3"
+    assert draft["forwards_per_verify_step"] == {"2": 1.0}
+    assert draft["drafts_as_its_kind"] is False
 
 
 def test_a_reference_from_another_model_fails_the_greedy_check(served, monkeypatch, hf_llama):

@@ -295,12 +295,34 @@ def test_the_printed_serve_command_serves_what_the_evaluation_served(trained):
     assert summary["eval"]["vllm"][0]["mean_acceptance_length"] > 1.0  # vLLM drafted with it
 
 
+def assert_counted_every_verify_step(report) -> None:
+    """Each vLLM row's draft forwards were counted in its engine over the proposals vLLM
+    verified: one per verify step of its spec-decode counters, and one more at most per turn
+    (the last drafts of a request are never verified)."""
+    for row in report["vllm"]:
+        counts = row["draft_forwards"]
+        assert row["verify_steps"] <= counts["requests"] <= row["verify_steps"] + report["turns"]
+
+
+def test_vllm_ran_k_chained_draft_forwards_per_verify_step_for_eagle3(trained):
+    """The chain's figure, counted in vLLM's engine (a Ray task's processes): k forwards per
+    verify step at k = 3 and 7, over both temperatures; the parallel kinds' (one) below, the
+    counter on a draft run against its kind: tests/backends/test_draft_forwards.py."""
+    _, summary, _ = trained
+    report = summary["eval"]
+    assert report["draft"]["forwards_per_verify_step"] == {"3": 3.0, "7": 7.0}
+    assert report["draft"]["drafts_as_its_kind"] is True
+    assert_counted_every_verify_step(report)
+
+
 def assert_served_in_one_pass(report, kind: str) -> None:
-    """A parallel draft's evaluation at k = 3: one draft forward per verify step (timed), vLLM
-    serving it leaves greedy output unchanged, agrees with the simulation and accepts more than
-    the untrained draft."""
+    """A parallel draft's evaluation at k = 3: one draft forward per verify step (counted in
+    vLLM's engine; timed in the simulation), vLLM serving it leaves greedy output unchanged,
+    agrees with the simulation and accepts more than the untrained draft."""
     assert report["draft"]["kind"] == kind
-    assert report["draft"]["forwards_per_verify_step"] == {"3": 1}  # one pass, not k
+    assert report["draft"]["forwards_per_verify_step"] == {"3": 1.0}  # one pass, not k
+    assert report["draft"]["drafts_as_its_kind"] is True
+    assert_counted_every_verify_step(report)
     assert report["draft"]["seconds_per_verify_step"]["3"] > 0
     (greedy,), (simulated,) = report["vllm"], report["simulated"]
     assert greedy["greedy_equal_fraction"] == 1.0
