@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from eagle_ray.pool.protocol import (
         MicroBatchFailed,
         MicroBatchOutOfMemory,
+        NonFiniteSupervision,
         ReplicaStartupError,
     )
     from eagle_ray.target_runner import SelfCheckError
@@ -76,6 +77,7 @@ _EXPORTS: dict[str, str] = {
     "ConfigError": "eagle_ray.config",
     "MicroBatchFailed": "eagle_ray.pool.protocol",
     "MicroBatchOutOfMemory": "eagle_ray.pool.protocol",
+    "NonFiniteSupervision": "eagle_ray.pool.protocol",
     "ReplicaStartupError": "eagle_ray.pool.protocol",
     "SelfCheckError": "eagle_ray.target_runner",
     # the tiny kit (examples, tests)
@@ -85,12 +87,12 @@ _EXPORTS: dict[str, str] = {
 
 # Exactly the keys of _EXPORTS (tests/pool/test_library.py checks it).
 __all__ = ["AutoscalingConfig", "ClientConfig", "ConfigError", "DraftVocab", "Eagle3TargetBatch",
-           "MicroBatchFailed", "MicroBatchOutOfMemory", "PoolClient", "PoolConfig",
-           "ReplicaStartupError", "SelfCheckError", "SupervisionRows", "SupervisionStage",
-           "TargetHead", "TargetIdentity", "TargetPool", "checkpoint_fingerprint", "draft_target",
-           "expect_target", "load_embedding_and_head", "map_supervision", "size_window",
-           "soft_cross_entropy", "supervision_bytes_per_token", "tiny_chat_dataset",
-           "tiny_target", "window_config", "write_supervision_rows"]
+           "MicroBatchFailed", "MicroBatchOutOfMemory", "NonFiniteSupervision", "PoolClient",
+           "PoolConfig", "ReplicaStartupError", "SelfCheckError", "SupervisionRows",
+           "SupervisionStage", "TargetHead", "TargetIdentity", "TargetPool",
+           "checkpoint_fingerprint", "draft_target", "expect_target", "load_embedding_and_head",
+           "map_supervision", "size_window", "soft_cross_entropy", "supervision_bytes_per_token",
+           "tiny_chat_dataset", "tiny_target", "window_config", "write_supervision_rows"]
 
 
 def __getattr__(name: str) -> Any:

@@ -135,6 +135,29 @@ def gated_hf_target(config) -> RunnerEagle3TargetModel:
     return target
 
 
+def poisoned_hf_target(config) -> RunnerEagle3TargetModel:
+    """Pool backend factory (`backend: "eagle_ray.testing:poisoned_hf_target"`): the HF backend
+    on `target.model_path` whose input embedding writes NaN wherever a row holds a poisoned
+    token (a broken kernel or weight for that token: the real forward carries it on, to those
+    rows only). `backend_kwargs["poison"]`: `[token, replica indices or None]` pairs; None
+    poisons the token on every replica (the target's own fault), indices only those (broken
+    replicas)."""
+    from eagle_ray.backends.hf import HFEagle3TargetModel
+
+    target = HFEagle3TargetModel.from_pretrained(
+        config.model_path, aux_layer_ids=config.aux_layer_ids,
+        dtype=None if config.dtype == "auto" else config.dtype)
+    name = ray.get_runtime_context().get_actor_name()
+    tokens = [token for token, replicas in config.backend_kwargs["poison"]
+              if replicas is None or name in {config.replica_name(i) for i in replicas}]
+
+    def poison(module, args, out):
+        poisoned = torch.isin(args[0], torch.tensor(tokens, device=args[0].device))
+        return out.masked_fill(poisoned.unsqueeze(-1), float("nan"))
+    target.model.get_input_embeddings().register_forward_hook(poison)
+    return target
+
+
 def synthetic_answer(prompt: list[int], sampling: Sampling) -> list[int]:
     """What `SyntheticRunner.complete` generates for `prompt`."""
     answer = list(reversed(prompt[-min(4, sampling.max_new_tokens - 1):]))

@@ -60,6 +60,18 @@ def is_correct(inputs, batch, hidden: int = HIDDEN) -> bool:
     return bool(torch.equal(batch.aux_hidden_states, expected))
 
 
+def results_or_errors(client: PoolClient, micro_batch_ids: list[int],
+                      expected: type[BaseException] | tuple[type[BaseException], ...]) -> list:
+    """Each submitted micro-batch's result in turn, or the `expected` error raised for it."""
+    answers = []
+    for micro_batch_id in micro_batch_ids:
+        try:
+            answers.append(client.result(micro_batch_id))
+        except expected as e:
+            answers.append(e)
+    return answers
+
+
 # Every wait on Ray in the tests is bounded, so a regression fails instead of hanging CI.
 TIMEOUT_S = 300
 

@@ -7,7 +7,8 @@ on one replica at once share a call: `replica_calls`), and read the result from 
 store. The client owns every result, so it survives a router restart; it re-runs a micro-batch
 on another replica when its replica dies, times out or reports an engine error, and drops late
 duplicates; a micro-batch that runs out of memory is tried on one more replica, then fails with
-`MicroBatchOutOfMemory`. Results come back in submission order, exactly once.
+`MicroBatchOutOfMemory`, and one whose supervision a replica refused for NaN or inf likewise
+(`NonFiniteSupervision`). Results come back in submission order, exactly once.
 
 Example:
     >>> client = PoolClient.connect("eagle_ray_pool", namespace="eagle_ray")  # doctest: +SKIP
@@ -37,6 +38,7 @@ from eagle_ray.contract.target_batch import (
 )
 from eagle_ray.pool import replica_calls
 from eagle_ray.pool.failures import (
+    NON_FINITE_ATTEMPTS,
     OUT_OF_MEMORY_ATTEMPTS,
     FailureKind,
     classify,
@@ -48,6 +50,7 @@ from eagle_ray.pool.protocol import (
     ClientStats,
     MicroBatchFailed,
     MicroBatchOutOfMemory,
+    NonFiniteSupervision,
     NoReplicaAvailable,
     ReplicaInfo,
     RequestKind,
@@ -315,6 +318,9 @@ class PoolClient:
             if kind is FailureKind.OUT_OF_MEMORY:
                 self._out_of_memory(item, own, replica_died=False)
                 continue
+            if kind is FailureKind.NON_FINITE:
+                self._non_finite(item, own)
+                continue
             if kind is FailureKind.TRANSIENT:
                 self._attempt_failed(item, f"{type(own).__name__}: {own}", replica_died=False)
                 continue
@@ -357,6 +363,21 @@ class PoolClient:
             f"micro-batch {item.micro_batch_id} ({item.num_tokens} tokens) ran out of memory "
             f"on {item.attempts} replica(s): {type(error).__name__}: {str(error)[:300]} -- "
             f"{MEMORY_ADVICE}"))
+
+    def _non_finite(self, item: InFlightMicroBatch, error: BaseException) -> None:
+        """NaN or inf from a replica's engine: tried once more on another replica (a broken
+        device or weight shard is one replica's); from a second one too, the target's own for
+        these rows, and the caller's error."""
+        self._release(item, ok=False)
+        item.nonfinite += 1
+        if item.nonfinite < NON_FINITE_ATTEMPTS and item.attempts < self.config.max_attempts:
+            item.attempt_failed(f"non-finite supervision: {error}", self.config.max_attempts)
+            logger.warning("micro-batch %d: %s; trying another replica once",
+                           item.micro_batch_id, error)
+            self.stats.retries += 1
+            return
+        item.fail(NonFiniteSupervision(f"non-finite supervision from {item.nonfinite} "
+                                       f"replica(s), the last: {error}"))
 
     def _raise_fatal(self) -> None:
         """A configuration error stops the client at once, whichever micro-batch it hit."""

@@ -7,6 +7,10 @@
 - Out of memory is the micro-batch's error, not the replica's: the replica frees what the call
   took, checks its engine and keeps serving; the client tries the micro-batch once more on
   another replica, then raises `MicroBatchOutOfMemory` (its size and what to change).
+- Non-finite supervision (NaN or inf from the engine) is refused by the replica, which keeps
+  serving: a broken device or weight shard is one replica's, so the client tries the
+  micro-batch once more on another; from a second replica too, it is the target's own for
+  those rows (fp16 overflow, a NaN weight) and the caller gets `NonFiniteSupervision`.
 - Anything else is transient (a dead or hung replica, an engine fault): the replica restarts with
   a fresh engine and the client re-runs the micro-batch on another replica.
 """
@@ -20,7 +24,7 @@ import re
 import torch
 
 from eagle_ray.backends.base import SelfCheckError
-from eagle_ray.pool.protocol import MicroBatchOutOfMemory
+from eagle_ray.pool.protocol import MicroBatchOutOfMemory, NonFiniteSupervision
 from eagle_ray.ray_compat import kv_delete, kv_get, kv_put
 
 # A replica whose process dies this many times while building its backend (an abort, a segfault,
@@ -39,6 +43,9 @@ class FailureKind(enum.Enum):
 
     OUT_OF_MEMORY = "out_of_memory"
     """The engine ran out of memory on this micro-batch. The replica stays; try once more."""
+
+    NON_FINITE = "non_finite"
+    """The engine returned NaN or inf for it. The replica stays; try once more elsewhere."""
 
     TRANSIENT = "transient"
     """This replica or attempt failed. Restart the engine, re-run elsewhere."""
@@ -72,6 +79,7 @@ def startup_error(error: BaseException) -> str:
 
 
 OUT_OF_MEMORY_ATTEMPTS = 2  # a micro-batch that ran out of memory is tried once more elsewhere
+NON_FINITE_ATTEMPTS = 2  # and one whose supervision held NaN or inf
 # torch's and Ray's out-of-memory errors by name (torch.OutOfMemoryError, the CUDA one,
 # ray.exceptions.OutOfMemoryError), and the words CUDA, vLLM and Ray's memory monitor use.
 _OUT_OF_MEMORY = re.compile(r"out[ _]of[ _]memory|OutOfMemory|memory pressure", re.IGNORECASE)
@@ -97,6 +105,8 @@ def classify(error: BaseException) -> FailureKind:
     """The kind of `error` (the original exception, not Ray's wrapper)."""
     if is_out_of_memory(error):
         return FailureKind.OUT_OF_MEMORY
+    if isinstance(error, NonFiniteSupervision):
+        return FailureKind.NON_FINITE
     if isinstance(error, SelfCheckError | NotImplementedError):  # e.g. a backend without text
         return FailureKind.CONFIGURATION
     if isinstance(error, ValueError | TypeError):

@@ -34,6 +34,7 @@ class InFlightMicroBatch:
     retry_lease_at: float = 0.0  # BACKOFF: ask the router again after this time
     attempts: int = 0
     out_of_memory: int = 0  # attempts that ran out of memory (failures.OUT_OF_MEMORY_ATTEMPTS)
+    nonfinite: int = 0  # attempts refused for NaN or inf (failures.NON_FINITE_ATTEMPTS)
     failed_on: list[str] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)
     result: Any = None  # SUCCEEDED: an Eagle3TargetBatch, or token lists (COMPLETION)

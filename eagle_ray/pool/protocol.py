@@ -36,8 +36,9 @@ class EngineStats:
     merged several, micro-batches queued or inside now, seconds the engine ran (`engine_s`: over
     wall time, its utilisation), seconds the host stage turned engine output into supervision
     (`host_s`, beside the engine when pipelined), requests whose captured states found
-    vLLM's shared-memory ring full (`handoff_overflows`), and engines rebuilt in place after
-    running out of memory broke them (`engine_restarts`)."""
+    vLLM's shared-memory ring full (`handoff_overflows`), engines rebuilt in place after
+    running out of memory broke them (`engine_restarts`), and micro-batches refused for NaN or
+    inf in their supervision (`nonfinite_refused`)."""
 
     engine_calls: int = 0
     micro_batches: int = 0
@@ -47,6 +48,7 @@ class EngineStats:
     host_s: float = 0.0
     handoff_overflows: int = 0
     engine_restarts: int = 0
+    nonfinite_refused: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +280,28 @@ class MicroBatchOutOfMemory(RuntimeError):
         return cls(f"the target engine ran out of memory on a micro-batch of {tokens} tokens "
                    f"({rows} rows x {seq} padded positions): {type(error).__name__}: "
                    f"{str(error)[:300]} -- {MEMORY_ADVICE}")
+
+
+NONFINITE_ADVICE = ("a draft trained on them turns NaN. The pool tries such a micro-batch once "
+                    "more on another replica (a broken device or weight shard is one "
+                    "replica's); where two replicas return them, the target itself does for "
+                    "these rows: serve it in bfloat16 or float32 rather than float16 "
+                    "(target.dtype) and check its checkpoint for NaN or inf weights")
+
+
+class NonFiniteSupervision(RuntimeError):
+    """The target engine returned NaN or inf for a micro-batch, and the replica refused to send
+    it (the message: which tensors, how many NaN and inf, the rows, the micro-batch and the
+    replica). The replica keeps serving; the other micro-batches of its engine call arrive."""
+
+    @classmethod
+    def of(cls, what: str, micro_batch_id: int, replica: str, rows: int, seq: int
+           ) -> NonFiniteSupervision:
+        """The error for micro-batch `micro_batch_id` (`rows` x `seq`) on `replica`; `what`:
+        the non-finite tensors (`contract.finite.NonFiniteField`s, joined)."""
+        return cls(f"{replica} refused micro-batch {micro_batch_id} ({rows} rows x {seq} "
+                   f"positions): its engine returned non-finite supervision -- {what}; "
+                   f"{NONFINITE_ADVICE}")
 
 
 class NoReplicaAvailable(RuntimeError):

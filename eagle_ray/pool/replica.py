@@ -22,6 +22,7 @@ import torch
 from eagle_ray.backends import build_backend, resolve_model_path
 from eagle_ray.backends.base import Sampling
 from eagle_ray.config.pool import PoolConfig
+from eagle_ray.contract.finite import nonfinite_fields
 from eagle_ray.contract.identity import TargetIdentity
 from eagle_ray.contract.target_batch import (
     Eagle3TargetBatch,
@@ -37,7 +38,7 @@ from eagle_ray.pool.failures import (
     free_memory,
     startup_error,
 )
-from eagle_ray.pool.protocol import MicroBatchOutOfMemory, ReplicaInfo
+from eagle_ray.pool.protocol import MicroBatchOutOfMemory, NonFiniteSupervision, ReplicaInfo
 from eagle_ray.pool.transport import Payload, batch_to_numpy
 
 logger = logging.getLogger(__name__)
@@ -82,12 +83,25 @@ def encode_answer(batch: Eagle3TargetBatch, encoding_dtype: str, micro_batch: Mi
         return MicroBatchOutOfMemory.of(e, *ids.shape, int(attention.sum()))
 
 
+def refuse_nonfinite(batch: Eagle3TargetBatch, micro_batch_id: int, replica: str
+                     ) -> Eagle3TargetBatch | NonFiniteSupervision:
+    """`batch`, or, where the engine returned NaN or inf in it, the micro-batch's own
+    `NonFiniteSupervision` naming the tensors, counts and rows (`contract.finite`: one reduction
+    per tensor where the batch lies, before it is encoded and copied out)."""
+    found = nonfinite_fields(batch)
+    if not found:
+        return batch
+    return NonFiniteSupervision.of("; ".join(map(str, found)), micro_batch_id, replica,
+                                   *batch.input_ids.shape)
+
+
 class TargetReplica:
     """Ray actor owning one target backend; the router hands its handle to clients.
 
     Errors are sorted by `failures.classify`: bad input and configuration errors are returned to
     the caller and the replica keeps serving; a micro-batch that runs out of memory fails alone
-    (`MicroBatchOutOfMemory`) while the replica frees the memory and checks its engine; anything
+    (`MicroBatchOutOfMemory`) while the replica frees the memory and checks its engine; one whose
+    supervision holds NaN or inf is refused alone (`NonFiniteSupervision`); anything
     else from the engine ends the process so Ray restarts the actor with a fresh engine instead
     of leaving a replica that fails every call.
     """
@@ -118,6 +132,10 @@ class TargetReplica:
         self.encoding_dtype = config.encoding_dtype
         self.served_tokens = 0
         self.served_micro_batches = 0
+        self.nonfinite_refused = 0
+        context = ray.get_runtime_context()
+        self.name = (f"replica {config.replica_name(index)} (node {context.get_node_id()[:12]}, "
+                     f"pid {os.getpid()}, GPU {ray.get_gpu_ids() or 'none'})")
         self._count_lock = threading.Lock()
         # Supervision leaves the engine for host memory (the object store); for fp8 it is
         # quantised first, on the engine's device, so the copy moves half the bytes too (vLLM
@@ -151,7 +169,8 @@ class TargetReplica:
             served_tokens=self.served_tokens,
             served_micro_batches=self.served_micro_batches,
             engine=dataclasses.replace(self.engine.stats,
-                                       handoff_overflows=self.backend.runner.handoff_overflows),
+                                       handoff_overflows=self.backend.runner.handoff_overflows,
+                                       nonfinite_refused=self.nonfinite_refused),
             max_tokens_per_engine_call=self.engine.max_tokens,
         )
 
@@ -171,7 +190,8 @@ class TargetReplica:
         """Supervision for several micro-batches in one call: what a client leased on this
         replica at once travels in one Ray call, not one each, and the micro-batches merge into
         shared engine calls. Each is checked here, so bad input never joins a merged call; each
-        answer is its payload or the error it raised, so one bad micro-batch fails alone."""
+        answer is its payload or the error it raised, so one bad micro-batch fails alone (bad
+        input, out of memory, NaN or inf in its supervision)."""
         answers: list[Any] = [None] * len(inputs)
         checked: dict[int, tuple[torch.Tensor, ...]] = {}
         for index, arrays in enumerate(inputs):
@@ -184,6 +204,8 @@ class TargetReplica:
                 answers[index] = e
         for index, answer in zip(checked, self.engine.generate_many(list(checked.values())),
                                  strict=True):
+            if not isinstance(answer, BaseException):
+                answer = self._refuse_nonfinite(answer, micro_batch_ids[index])
             if not isinstance(answer, BaseException):
                 answer = encode_answer(answer, self.encoding_dtype, checked[index])
             if not isinstance(answer, BaseException):
@@ -203,6 +225,15 @@ class TargetReplica:
         generated = self.engine.call(lambda: self.backend.complete(prompts, sampling))
         self._count(sum(map(len, prompts)) + sum(map(len, generated)))
         return generated
+
+    def _refuse_nonfinite(self, batch: Eagle3TargetBatch, micro_batch_id: int
+                          ) -> Eagle3TargetBatch | NonFiniteSupervision:
+        answer = refuse_nonfinite(batch, micro_batch_id, self.name)
+        if isinstance(answer, NonFiniteSupervision):
+            with self._count_lock:
+                self.nonfinite_refused += 1
+            logger.warning("%s", answer)
+        return answer
 
     def _count(self, tokens: int) -> None:
         with self._count_lock:  # request threads finish concurrently
