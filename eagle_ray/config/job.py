@@ -82,6 +82,10 @@ class TrainConfig:
     """AdamW weight decay."""
     grad_clip: float = 0.5
     """Gradient norm clip."""
+    max_nonfinite_steps: int = 5
+    """Steps in a row whose loss or gradient is NaN or inf before the job stops with an error;
+    each such step is skipped on every worker (no weight written, counted as `nonfinite_steps`
+    in the metrics)."""
     ttt_steps: int = 7
     """Draft tokens trained per position: EAGLE-3's test-time-training steps, P-EAGLE's
     parallel depths, DFlash's block size - 1 (every `eval.num_speculative_tokens` must be at
@@ -231,6 +235,9 @@ class JobConfig:
                               f"both set: give one (epochs: the job derives the steps)")
         if train.epochs is not None and train.epochs <= 0:
             raise ConfigError(f"train.epochs must be > 0, got {train.epochs}")
+        if train.max_nonfinite_steps < 1:
+            raise ConfigError(f"train.max_nonfinite_steps must be >= 1, got "
+                              f"{train.max_nonfinite_steps}")
         draft = self.draft
         if draft.num_layers < 1:
             raise ConfigError(f"draft.num_layers must be >= 1, got {draft.num_layers}")

@@ -18,6 +18,7 @@ import logging
 import math
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from eagle_ray.draft.kinds import build_draft
 from eagle_ray.draft.model import DraftConfig
 from eagle_ray.plan import check_worker_memory
 from eagle_ray.train.device import DevicePrefetcher, autocast_dtype
+from eagle_ray.train.nonfinite import NonFiniteGuard
 from eagle_ray.train.run_record import RECORD_FILE
 from eagle_ray.train.trackers import Trackers
 
@@ -88,12 +90,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         waited = time.perf_counter()
         host_batch, batch = next(on_device)
         window.add_batch(host_batch, time.perf_counter() - waited)
-        window.add_values(learner.step(batch))
+        values = learner.step(batch)
+        window.add_values(values, skipped=learner.skipped)
         done = step + 1
         if done % train.log_every and done % train.checkpoint_every and done != train.steps:
             outputs.progress(done)
             continue
-        metrics, worker_tokens_per_s = window.flush(done, learner.scheduler.get_last_lr()[0])
+        metrics, worker_tokens_per_s = window.flush(done, learner.scheduler.get_last_lr()[0],
+                                                    learner.guard.skipped)
         outputs.log(done, metrics, worker_tokens_per_s)
         if done % train.checkpoint_every == 0 or done == train.steps:
             outputs.checkpoint(metrics, learner, done)
@@ -107,7 +111,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 class DraftLearner:
     """The draft (any kind: its `objective` is the loss of a step),
-    wrapped for DDP, with its optimizer and schedule: one TTT step at a time.
+    wrapped for DDP, with its optimizer and schedule: one TTT step at a time. A step with a
+    non-finite loss or gradient is skipped on every rank (`guard`, `skipped`).
 
     `prepare` wraps the draft for its workers (Ray Train's `prepare_model`: DDP, the device);
     None moves it to `device` unwrapped (one process, as in tests)."""
@@ -123,6 +128,8 @@ class DraftLearner:
         self.optimizer = torch.optim.AdamW(self.params, lr=train.lr,
                                            weight_decay=train.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(train))
+        self.guard = NonFiniteGuard(train.max_nonfinite_steps)
+        self.skipped = False  # the last step wrote nothing: its loss or gradient was not finite
 
     @classmethod
     def for_worker(cls, setup: WorkerSetup, device: torch.device) -> DraftLearner:
@@ -146,7 +153,8 @@ class DraftLearner:
         """Write the draft, optimizer and schedule at `step` into `directory` (what `resume`
         reads)."""
         state = {"draft": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "step": step}
+                 "scheduler": self.scheduler.state_dict(), "step": step,
+                 "nonfinite_steps": self.guard.skipped}
         torch.save(state, Path(directory) / CHECKPOINT_FILE)
 
     def resume(self, checkpoint, rank: int) -> int:
@@ -163,12 +171,15 @@ class DraftLearner:
         self.draft.load_state_dict(state["draft"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.guard.skipped = state.get("nonfinite_steps", 0)
         logger.info("worker %d resumes at step %d", rank, state["step"])
         return state["step"]
 
     def step(self, batch) -> dict[str, torch.Tensor]:
         """One optimizer step on `batch`; its loss, gradient norm and per-TTT-step losses and
-        accuracies, left on the device."""
+        accuracies, left on the device. Where the loss or gradient is not finite on any rank,
+        the step is skipped (`skipped`): its gradient dropped, no weight or optimizer state
+        written; the schedule advances all the same (`NonFiniteGuard`)."""
         probs, position_mask = draft_target(batch, self.vocab, self.head)
         with (torch.autocast(self.device.type, dtype=self.precision) if self.precision
               else contextlib.nullcontext()):
@@ -178,8 +189,14 @@ class DraftLearner:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.train.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
+        self.skipped = not self.guard.take(loss, grad_norm, self.scheduler.last_epoch + 1)
+        if self.skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        with warnings.catch_warnings():  # a first step skipped: the schedule advances alone
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step")
+            self.scheduler.step()
         return {"loss": loss.detach(), "grad_norm": grad_norm,
                 **{f"loss_{k}": v for k, v in enumerate(step_losses)},
                 **{f"acc_{k}": v for k, v in enumerate(step_accuracies)}}
@@ -208,40 +225,49 @@ def _supervision(setup: WorkerSetup, rank: int, world: int, start_step: int
 
 
 class MetricsWindow:
-    """Logged metrics average over the steps since the last log (single steps are noisy). Sums
-    stay on the device (one host sync per log, not per step); host-side statistics are read
-    from the host batch."""
+    """Logged metrics average over the steps since the last log (single steps are noisy), the
+    steps skipped for a non-finite loss or gradient left out (NaN where every one was). Sums
+    stay on the device (one host sync per log); host-side statistics are read from the host
+    batch."""
 
     def __init__(self, micro_batches: TimedIterator, world: int) -> None:
         self.micro_batches, self.world = micro_batches, world
+        self.names: list[str] = []  # of a step's values, kept across windows
         self._reset()
 
     def _reset(self) -> None:
         self.start, self.tokens, self.wait = time.perf_counter(), 0, 0.0
         self.data_wait_before = self.micro_batches.seconds
         self.sums: dict[str, torch.Tensor] = {}
-        self.padding, self.steps = 0.0, 0
+        self.padding, self.batches, self.steps = 0.0, 0, 0
 
     def add_batch(self, host_batch, waited_s: float) -> None:
         self.wait += waited_s
+        self.batches += 1
         self.padding += padding_share(
             (host_batch.input_ids, host_batch.attention_mask, host_batch.loss_mask))
         self.tokens += int(host_batch.attention_mask.sum())
 
-    def add_values(self, values: dict[str, torch.Tensor]) -> None:
+    def add_values(self, values: dict[str, torch.Tensor], skipped: bool = False) -> None:
+        """A step's values; a `skipped` step's are not averaged (they are not finite)."""
+        self.names = self.names or list(values)
+        if skipped:
+            return
         self.steps += 1
         for name, value in values.items():
             self.sums[name] = self.sums[name] + value if name in self.sums else value
 
-    def flush(self, step: int, lr: float) -> tuple[dict[str, float], float]:
-        """The window's metrics at `step` and this worker's tokens/s; the next window starts
-        now."""
+    def flush(self, step: int, lr: float, nonfinite_steps: int = 0
+              ) -> tuple[dict[str, float], float]:
+        """The window's metrics at `step` and this worker's tokens/s (`nonfinite_steps`: the
+        steps skipped so far, in all); the next window starts now."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         data_wait = self.micro_batches.seconds - self.data_wait_before
-        names = list(self.sums)
-        means = (torch.stack([self.sums[n].float() for n in names]) / self.steps).tolist()
-        metrics = {"step": step, "lr": lr, **dict(zip(names, means, strict=True)),
-                   "padding_share": self.padding / self.steps,
+        means = ((torch.stack([self.sums[n].float() for n in self.names]) / self.steps).tolist()
+                 if self.steps else [math.nan] * len(self.names))
+        metrics = {"step": step, "lr": lr, **dict(zip(self.names, means, strict=True)),
+                   "nonfinite_steps": nonfinite_steps,
+                   "padding_share": self.padding / max(self.batches, 1),
                    "supervision_tokens_per_s": self.tokens * self.world / elapsed,
                    # Waiting for supervision includes reading the data (the client pulls the
                    # next micro-batch when it has room): report the two apart.

@@ -7,37 +7,14 @@ import pytest
 import ray.train
 import torch
 
-from eagle_ray.config import TrainConfig
-from eagle_ray.contract.supervision import DraftVocab
-from eagle_ray.contract.target_batch import Eagle3TargetBatch
-from eagle_ray.contract.target_head import TargetHead
-from eagle_ray.draft.model import DraftConfig, Eagle3Draft
 from eagle_ray.train.loop import CHECKPOINT_FILE, DraftLearner
 
-HIDDEN, VOCAB, ROWS, SEQ = 32, 64, 2, 8
+from learner_helpers import tiny_batch as batch
+from learner_helpers import tiny_learner as learner
+
 # Rank 0's GPU as a checkpoint records it: an index no machine here has, so a load that keeps
 # the recorded device fails on a CPU-only and a GPU machine alike.
 SAVED_ON = "cuda:99"
-
-
-def learner(seed: int) -> DraftLearner:
-    torch.manual_seed(seed)
-    config = DraftConfig(hidden_size=HIDDEN, target_hidden_size=HIDDEN, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=HIDDEN // 2, intermediate_size=64,
-                         vocab_size=VOCAB, draft_vocab_size=VOCAB)
-    head = TargetHead(torch.nn.RMSNorm(HIDDEN), torch.nn.Linear(HIDDEN, VOCAB, bias=False))
-    return DraftLearner(Eagle3Draft(config), head.requires_grad_(False),
-                        DraftVocab(torch.arange(VOCAB), VOCAB),
-                        TrainConfig(precision="fp32", steps=10, warmup_steps=2, ttt_steps=2),
-                        torch.device("cpu"))
-
-
-def batch() -> Eagle3TargetBatch:
-    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
-    return Eagle3TargetBatch(aux_hidden_states=torch.randn(ROWS, SEQ, 3 * HIDDEN),
-                             input_ids=ids, attention_mask=torch.ones_like(ids),
-                             loss_mask=torch.ones_like(ids),
-                             last_hidden=torch.randn(ROWS, SEQ, HIDDEN))
 
 
 def save_as_if_on_a_gpu(trained: DraftLearner, directory, step: int, monkeypatch) -> None:
