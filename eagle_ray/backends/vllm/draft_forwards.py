@@ -10,7 +10,7 @@ is this forward, not one more); then, for a chain, k - 1 forwards of one token e
 :754); with `parallel_drafting` it returns after the first (:629), which drafted all k. P-EAGLE
 sets the flag (`DraftServing.speculative_config`); the `dflash` method sets it itself
 (`vllm/config/speculative.py:1468`), its one forward over the bonus token and k mask slots
-(`dflash.py:127`) after writing the context's keys and values (`precompute_and_store_context_kv`,
+(`dflash.py:126`) after writing the context's keys and values (`precompute_and_store_context_kv`,
 `dflash.py:283`, part of that pass, not a forward of its own). `dummy_run` (profiling, warm-up)
 forwards outside `propose`: not counted.
 
