@@ -13,6 +13,7 @@ import torch
 
 from eagle_ray.pool import ClientConfig, PoolClient, PoolConfig, TargetPool
 from eagle_ray.pool.protocol import ClientStats
+from eagle_ray.pool.states import MicroBatchPhase
 from eagle_ray.testing import random_micro_batch, synthetic_aux_states
 
 SYNTHETIC = "eagle_ray.testing:fixed_latency_target"
@@ -101,6 +102,15 @@ class TrainerStandIn:
         held = [i.lease for i in list(self.client._inflight.values()) if i.lease is not None]
         held += list(self.client._router._spares)
         return bool(held) and all(lease.expires <= now for lease in held)
+
+    def running(self) -> int:
+        """Micro-batches the client has on replicas now (read while `run()` waits on them)."""
+        while True:
+            try:
+                return sum(i.phase is MicroBatchPhase.RUNNING
+                           for i in list(self.client._inflight.values()))
+            except RuntimeError:  # `run()` changed the window meanwhile: read it again
+                continue
 
     def node_id(self) -> str:
         return self.client.node_id

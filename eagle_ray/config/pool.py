@@ -94,6 +94,13 @@ class PoolConfig:
     the head node, off workers an autoscaler may reclaim."""
     max_outstanding_tokens_per_replica: int = 16384
     """Router backpressure: at most this many tokens outstanding on one replica."""
+    lease_grace_s: float = 30.0
+    """The router takes back a lease its client left unreported past the lease's term (the
+    client's `timeout_s` plus `lease_reuse_s`) plus this long (a dead client's go back within
+    seconds whatever this is). A client back from a longer stall (a GC pause, a checkpoint
+    write, a stopped process) re-runs what it had on such leases and uses no grant older than
+    `lease_reuse_s` plus this: it must read its grants within that (docs/architecture.md,
+    "Reliability")."""
     replica_concurrency: int = 4
     """Calls a replica accepts at once (a call carries one micro-batch or several; all are merged
     into shared engine calls); 1: one call at a time."""
@@ -123,6 +130,8 @@ class PoolConfig:
             raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.max_outstanding_tokens_per_replica < 1:
             raise ConfigError("max_outstanding_tokens_per_replica must be >= 1")
+        if self.lease_grace_s <= 0:
+            raise ConfigError(f"lease_grace_s must be > 0, got {self.lease_grace_s}")
         if self.replica_concurrency < 1 or self.max_tokens_per_engine_call < 1:
             raise ConfigError("replica_concurrency and max_tokens_per_engine_call must be >= 1")
         from eagle_ray.backends.engines import ENGINES

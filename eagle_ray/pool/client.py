@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import time
@@ -92,7 +91,7 @@ class PoolClient:
         self._ids = itertools.count()
         self._inflight = Window()
         self._fatal: BaseException | None = None  # a configuration error: every call raises it
-        self.stats = ClientStats()
+        self.stats = router.stats = ClientStats()  # the link counts lapsed leases
 
     @classmethod
     def connect(cls, pool_name: str = "eagle_ray_pool", namespace: str = "eagle_ray",
@@ -245,16 +244,15 @@ class PoolClient:
         for item in self._inflight.values():
             if item.phase is MicroBatchPhase.BACKOFF and now >= item.retry_lease_at:
                 item.wait_for_lease()
-            if item.phase is MicroBatchPhase.RUNNING and now > item.deadline:
+        for item in self._inflight.overdue(now):
+            if now >= item.lease.lapses:  # the client was away past the lease's term (a stall):
+                self._router.lapsed(item.lease)  # not the replica's failure
+                item.lease_lapsed()
+            else:
                 self._attempt_failed(item, f"timed out after {self.config.timeout_s:.0f}s",
                                      replica_died=False, cancel=True)
         self._ask_for_leases()
-        waiting: dict[ray.ObjectRef, list[InFlightMicroBatch]] = collections.defaultdict(list)
-        for item in self._inflight.values():
-            if item.phase is MicroBatchPhase.LEASING:
-                waiting[item.lease_ref].append(item)
-            elif item.phase is MicroBatchPhase.RUNNING:
-                waiting[item.result_ref].append(item)
+        waiting = self._inflight.waiting()
         self._settle(keep=None)  # before waiting
         if not waiting:
             time.sleep(min(timeout, ROUTER_RETRY_S))

@@ -26,6 +26,7 @@ class InFlightMicroBatch:
     decode: Callable[[Any], Any] = batch_from_numpy  # the replica's answer -> the result
     phase: MicroBatchPhase = MicroBatchPhase.LEASING
     lease_ref: ray.ObjectRef | None = None  # LEASING: the router's answer
+    asked_at: float = 0.0  # LEASING: when the router was asked (its grant is dated from this)
     result_ref: ray.ObjectRef | None = None  # RUNNING: the replica's answer
     call_index: int | None = None  # RUNNING: its place in a `generate_many` call's answers
     replica: str | None = None  # RUNNING: who computes it
@@ -75,6 +76,15 @@ class InFlightMicroBatch:
         self.wait_for_lease()
         return True
 
+    def lease_lapsed(self) -> None:
+        """Its lease may have been taken back while the client was away (a stall past the
+        lease's term): run it again on a fresh lease; the attempt given up is not counted
+        against it (nothing failed), and its late result is dropped."""
+        ray.cancel(self.result_ref)
+        self.attempts -= 1
+        self.result_ref, self.replica = None, None
+        self.wait_for_lease()
+
     def succeed(self, result: Any) -> None:
         self.phase, self.result, self.result_ref = MicroBatchPhase.SUCCEEDED, result, None
 
@@ -95,6 +105,25 @@ class Window(collections.OrderedDict):
         """Micro-batches waiting for a lease that have not asked the router yet."""
         return [i for i in self.values()
                 if i.phase is MicroBatchPhase.LEASING and i.lease_ref is None]
+
+    def waiting(self) -> dict[ray.ObjectRef, list[InFlightMicroBatch]]:
+        """Micro-batches by what they wait for: the router's answer, or their replica call's."""
+        refs: dict[ray.ObjectRef, list[InFlightMicroBatch]] = collections.defaultdict(list)
+        for item in self.values():
+            if item.phase is MicroBatchPhase.LEASING:
+                refs[item.lease_ref].append(item)
+            elif item.phase is MicroBatchPhase.RUNNING:
+                refs[item.result_ref].append(item)
+        return refs
+
+    def overdue(self, now: float) -> list[InFlightMicroBatch]:
+        """Running micro-batches past their attempt's deadline whose result is not in: a result
+        that arrived while the client was away (a stall) is taken, not thrown away."""
+        late = [i for i in self.values() if i.phase is MicroBatchPhase.RUNNING and now > i.deadline]
+        refs = list(dict.fromkeys(i.result_ref for i in late))
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]
+                   if refs else [])
+        return [i for i in late if i.result_ref not in done]
 
     def asking(self) -> bool:
         """Whether one of them waits for the router's answer."""

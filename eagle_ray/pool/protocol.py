@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import math
 from typing import Any, NamedTuple
 
 from eagle_ray.config.loader import ConfigError
@@ -73,9 +74,10 @@ class ReplicaInfo:
 
 # ---------------------------------------------------------------- client <-> router
 
-# A lease as granted: the replica's actor name and id (the client keeps a handle per id), and the
-# lease's id (what the client reports it by).
-Grant = tuple[str, str, int]
+# A lease as granted: the replica's actor name and id (the client keeps a handle per id), the
+# lease's id (what the client reports it by), and how many seconds after the request reached the
+# router its term started (the client dates the lease from its request plus these).
+Grant = tuple[str, str, int, float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,20 +103,24 @@ class LeaseRequest(NamedTuple):
 
 @dataclasses.dataclass
 class Lease:
-    """Room for `tokens` on a replica, granted by the router; passed on until `expires`."""
+    """Room for `tokens` on a replica, granted by the router; passed on until `expires`. From
+    `lapses` on the router may have taken it back (the client was away past its term and the
+    router's grace): no attempt starts on it that would end after that."""
 
     replica: str
     actor_id: str
     lease_id: int
     tokens: int
     expires: float  # time.monotonic()
+    lapses: float = math.inf  # time.monotonic()
 
 
 class LeaseReport(NamedTuple):
     """What a client tells the router about a lease: a micro-batch's outcome on it (`ok`; None
     when there is none: a lease handed back unused) and, once the client hands the lease back,
     its tokens (`returned_tokens`; None while the client passes it on to its next micro-batch).
-    A report on a lease the router already took back (`lease_id` unknown) counts no tokens."""
+    A report on a lease the router already took back (`lease_id` unknown) is late: it counts no
+    tokens, only its outcome."""
 
     replica: str
     served_tokens: int
@@ -133,7 +139,10 @@ class ClientStats:
     which reruns_on_same_replica landed on a replica that had already failed them;
     router_retries: calls to an unavailable router; reused_leases: micro-batches run on a lease
     passed on from a finished one (no router call); replica_calls: calls to replicas (several
-    micro-batches can share one); served_by: results received per replica."""
+    micro-batches can share one); served_by: results received per replica; lapsed_leases: leases
+    the client found past their term when it came back from a stall (the router may have taken
+    them back): handed back, their micro-batches re-run on fresh ones, no attempt or replica
+    charged."""
 
     submitted: int = 0
     delivered: int = 0
@@ -145,6 +154,7 @@ class ClientStats:
     wait_seconds: float = 0.0
     reused_leases: int = 0
     replica_calls: int = 0
+    lapsed_leases: int = 0
     served_by: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
@@ -229,13 +239,18 @@ class RouterProcess:
 @dataclasses.dataclass(frozen=True)
 class PoolStatus:
     """The router's view of the pool: its replicas, leases granted, router calls, locality,
-    demand, the autoscaling controller's report and the router process itself."""
+    demand, the autoscaling controller's report and the router process itself. Leases: granted
+    (`leases`), held now (`leases_held`), taken back from clients that died or stayed silent
+    past their term (`leases_taken_back`), and reports that came after (`late_reports`: a
+    stalled client's, counted once)."""
 
     replicas: dict[str, ReplicaStatus]
     ready_replicas: int
     leases: int
     lease_calls: int
     leases_taken_back: int  # from clients that died or stayed silent past their term
+    late_reports: int  # on leases taken back before (they return no tokens)
+    leases_held: int  # granted and neither handed back nor taken back
     locality: bool
     on_node_share: float | None
     demand_tokens: int

@@ -23,7 +23,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from eagle_ray.config.pool import PoolConfig
-from eagle_ray.pool.leases import GrantedLease, LeaseBook, owner_gone
+from eagle_ray.pool.leases import GrantedLease, LeaseBook, take_back
 from eagle_ray.pool.protocol import (
     AutoscalingReport,
     Demand,
@@ -64,8 +64,9 @@ class PoolRouter:
         self._removed: set[str] = set()  # names dropped on purpose; adoption skips them
         self._changed = asyncio.Condition()  # notified whenever capacity or membership changes
         self._leases = 0
-        self._book = LeaseBook()  # leases granted and not handed back: whose, until when
+        self._book = LeaseBook(config.lease_grace_s)  # leases granted, not handed back: whose
         self._taken_back = 0  # leases taken back from clients that died or went silent
+        self._late_reports = 0  # reports on leases taken back (or granted before a restart)
         self._lease_calls = 0  # acquire_many + release_many calls (a fraction per lease)
         self._waiting_tokens = 0  # of lease requests waiting for room (part of the demand)
         self._autoscaling: AutoscalingReport | None = None  # the controller's last report
@@ -217,8 +218,8 @@ class PoolRouter:
             self._waiting_tokens += waiting
             try:
                 grants.append(await self._grant(*requests[0], timeout_s, client_node,
-                                                started + timeout_s, owner))
-                grants += [self._try_grant(tokens, avoid, client_node, owner)
+                                                started, owner))
+                grants += [self._try_grant(tokens, avoid, client_node, owner, started)
                            for _, tokens, avoid in requests[1:]]
                 return grants
             finally:
@@ -229,14 +230,14 @@ class PoolRouter:
 
     async def _grant(self, micro_batch_id: int, num_tokens: int, avoid: list[str],
                      timeout_s: float, client_node: str | None,
-                     deadline: float, owner: LeaseOwner | None) -> Grant:
+                     started: float, owner: LeaseOwner | None) -> Grant:
         """Wait (holding `self._changed`) for a replica with room for one micro-batch."""
         while True:
-            grant = self._try_grant(num_tokens, avoid, client_node, owner)
+            grant = self._try_grant(num_tokens, avoid, client_node, owner, started)
             if grant is not None:
                 return grant
             self._raise_if_all_failed()
-            if not await self._wait_for_change(deadline):
+            if not await self._wait_for_change(started + timeout_s):
                 raise NoReplicaAvailable(
                     f"no replica accepted micro-batch {micro_batch_id} ({num_tokens} tokens) "
                     f"within {timeout_s:.0f}s; replicas: "
@@ -245,8 +246,9 @@ class PoolRouter:
                 )
 
     def _try_grant(self, num_tokens: int, avoid: list[str], client_node: str | None,
-                   owner: LeaseOwner | None = None) -> Grant | None:
-        """Lease the replica the policy chooses now, or None when none has room."""
+                   owner: LeaseOwner | None, asked: float) -> Grant | None:
+        """Lease the replica the policy chooses now, or None when none has room. The grant says
+        how long after the request arrived (`asked`) its term starts (`Grant`)."""
         cap = self._config.max_outstanding_tokens_per_replica
         replica = choose_replica(self._replicas.values(), num_tokens, set(avoid), cap,
                                  client_node if self._config.locality else None)
@@ -262,8 +264,9 @@ class PoolRouter:
         self._leases += 1
         self._metrics.outstanding.set(replica.outstanding_tokens,
                                       tags=self._metrics.replica(replica.name))
-        lease_id = self._book.grant(replica.name, num_tokens, owner, time.monotonic())
-        return replica.name, replica.actor_id, lease_id
+        now = time.monotonic()
+        lease_id = self._book.grant(replica.name, num_tokens, owner, now)
+        return replica.name, replica.actor_id, lease_id, now - asked
 
     async def _wait_for_change(self, deadline: float) -> bool:
         """Wait (holding `self._changed`) for a capacity or membership change, at most a second
@@ -280,7 +283,7 @@ class PoolRouter:
     async def release(self, grant: Grant, num_tokens: int, ok: bool,
                       replica_died: bool = False) -> None:
         """A leased micro-batch finished, failed or timed out, and its lease is handed back."""
-        name, _, lease_id = grant
+        name, _, lease_id, _ = grant
         await self.release_many([LeaseReport(name, num_tokens, ok, replica_died, num_tokens,
                                              lease_id)])
 
@@ -295,11 +298,14 @@ class PoolRouter:
     def _release(self, report: LeaseReport) -> None:
         name = report.replica
         if report.returned_tokens is None:
-            self._book.heard(report.lease_id, time.monotonic())
+            held = self._book.heard(report.lease_id, time.monotonic())
         else:
             lease = self._book.give_back(report.lease_id)
-            if lease is not None:  # else taken back already: its tokens are not counted twice
+            held = lease is not None
+            if held:
                 self._return(lease)
+        if not held:  # taken back before: its tokens came back then, its outcome counts now
+            self._late_reports += 1
         replica = self._replicas.get(name)
         if replica is None:
             return
@@ -326,15 +332,8 @@ class PoolRouter:
                                       tags=self._metrics.replica(lease.replica))
 
     async def _take_back_leases(self) -> None:
-        """Leases whose client's process is gone (Ray says so when the router reads the object
-        the client owns), and leases silent past their term, go back to their replicas."""
-        taken = self._book.expired(time.monotonic())
-        owners = self._book.owners()
-        gone = await asyncio.gather(*(owner_gone(owner) for owner in owners))
-        for owner, dead in zip(owners, gone, strict=True):
-            if dead:
-                taken += self._book.owner_gone(owner.key)
-                logger.warning("client %s is gone; taking its leases back", owner.key)
+        """Leases of clients gone or silent past their term go back to their replicas."""
+        taken = await take_back(self._book, time.monotonic())
         if not taken:
             return
         for lease in taken:
@@ -370,6 +369,7 @@ class PoolRouter:
             replicas={name: r.summary() for name, r in sorted(self._replicas.items())},
             ready_replicas=sum(r.state is ReplicaState.READY for r in replicas),
             leases=self._leases, lease_calls=self._lease_calls, leases_taken_back=self._taken_back,
+            late_reports=self._late_reports, leases_held=len(self._book),
             locality=self._config.locality,
             on_node_share=round(sum(r.on_node_leases for r in replicas) / leases, 3)
             if leases else None,

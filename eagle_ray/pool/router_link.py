@@ -8,11 +8,19 @@ next `acquire_many`, or is sent with `release_many` when a lease goes back or ev
 `REPORT_INTERVAL_S`. In steady streaming the router sees about one call per lease (the client's
 window) per `lease_reuse_s`, not one per micro-batch. Also finds the router by name (again,
 after it restarts) and the granted replicas by name (once per actor).
+
+A lease is dated from the client's request plus the router's wait (`Grant`), so the client knows,
+on its own clock, from when the router may have taken it back (`Lease.lapses`: its term plus the
+router's `lease_grace_s`). A client that was away that long (a stall: a GC pause, a checkpoint
+write, a stopped process) runs nothing more on it: a grant read that late goes back unused, and
+an attempt on it still running is re-run on a fresh lease (`PoolClient`); neither charges the
+replica. Their reports reach the router late and count once (`pool/leases.py`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -24,6 +32,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from eagle_ray.config.pool import ClientConfig, PoolConfig
 from eagle_ray.pool.inflight import InFlightMicroBatch
 from eagle_ray.pool.protocol import (
+    ClientStats,
     Grant,
     Lease,
     LeaseOwner,
@@ -47,10 +56,14 @@ class RouterLink:
     """See the module docstring. `connect` builds one; the client owns it."""
 
     def __init__(self, router: ActorHandle, router_name: str | None, namespace: str | None,
-                 node_id: str, lease_reuse_s: float = 0.0, term_s: float = 600.0) -> None:
+                 node_id: str, lease_reuse_s: float = 0.0, term_s: float = 600.0,
+                 grace_s: float = math.inf) -> None:
         self.router, self.router_name, self.namespace = router, router_name, namespace
         self.node_id = node_id  # sent with every request, for locality-aware leases
         self.lease_reuse_s = lease_reuse_s
+        self.attempt_s = term_s - lease_reuse_s  # one attempt's timeout
+        self.lapse_s = term_s + grace_s  # after a lease's grant the router may take it back
+        self.stats = ClientStats()  # the client's (it counts lapsed leases)
         # Who holds this client's leases: an object this process owns, which the router reads
         # to learn that the process is gone (its leases then go back), and how long a lease
         # may go unreported (`pool/leases.py`).
@@ -77,8 +90,9 @@ class RouterLink:
                                  f"{namespace!r}; start one with `eagle-ray serve` or "
                                  f"TargetPool.create") from None
             try:
-                info = ray.get(router.target_info.remote(config.lease_timeout_s),
-                               timeout=max(deadline - time.monotonic(), 1.0))
+                info, pool = ray.get([router.target_info.remote(config.lease_timeout_s),
+                                      router.pool_config.remote()],
+                                     timeout=max(deadline - time.monotonic(), 1.0))
                 break
             except RayActorError as e:  # the router is restarting: wait for it
                 unavailable += 1
@@ -90,12 +104,33 @@ class RouterLink:
                                type(e).__name__)
                 time.sleep(ROUTER_RETRY_S)
         link = cls(router, router_name, namespace, ray.get_runtime_context().get_node_id(),
-                   config.lease_reuse_s, config.timeout_s + config.lease_reuse_s)
+                   config.lease_reuse_s, config.timeout_s + config.lease_reuse_s,
+                   pool.lease_grace_s)
         return link, info, unavailable
 
-    def lease(self, grant: Grant, tokens: int) -> Lease:
-        """The lease the router granted for a micro-batch of `tokens`."""
-        return Lease(*grant, tokens, time.monotonic() + self.lease_reuse_s)
+    def lease(self, grant: Grant, tokens: int, asked_at: float) -> Lease:
+        """The lease the router granted for a micro-batch of `tokens` asked for at `asked_at`:
+        its term started no earlier than that plus the router's wait."""
+        name, actor_id, lease_id, waited_s = grant
+        since = asked_at + waited_s
+        return Lease(name, actor_id, lease_id, tokens, since + self.lease_reuse_s,
+                     since + self.lapse_s)
+
+    def usable(self, lease: Lease) -> bool:
+        """Whether an attempt starting now on `lease` ends (its timeout) before the router may
+        take the lease back. A spare before `expires` always is."""
+        return time.monotonic() + self.attempt_s < lease.lapses
+
+    def lapsed(self, lease: Lease) -> None:
+        """Hand back a lease the router may have taken back while this client was away (a
+        stall past its term): its report is late there and counts once."""
+        logger.warning("lease %d on %s (granted %.1fs ago) is past what this client may run "
+                       "on it: it was away (a stall?) and the router may take it back; handing "
+                       "it back, its micro-batch runs on a fresh one", lease.lease_id,
+                       lease.replica, time.monotonic() - lease.lapses + self.lapse_s)
+        self.stats.lapsed_leases += 1
+        self._reports.append(LeaseReport(lease.replica, 0, None, False, lease.tokens,
+                                         lease.lease_id))
 
     def ask(self, items: Sequence[InFlightMicroBatch], timeout_s: float
             ) -> list[tuple[InFlightMicroBatch, Lease]]:
@@ -117,15 +152,15 @@ class RouterLink:
                 [LeaseRequest(i.micro_batch_id, i.num_tokens, i.failed_on) for i in asked],
                 timeout_s, self.node_id, reports, self.owner)
             for item in asked:
-                item.lease_ref = ref
+                item.lease_ref, item.asked_at = ref, self._last_sent
         return matched
 
     def granted(self, ref: ray.ObjectRef, items: Sequence[InFlightMicroBatch]
                 ) -> list[tuple[InFlightMicroBatch, Lease]] | None:
-        """The leases an `acquire_many` answer (`ref`, from `ask`) granted to `items`; the
-        others ask again. None when the router was unreachable: it is looked up again, and the
-        caller asks again shortly. Raises `NoReplicaAvailable` when none took the first in
-        time."""
+        """The leases an `acquire_many` answer (`ref`, from `ask`) granted to `items` that are
+        still `usable` (one read only after a stall goes back: `lapsed`); the others ask again.
+        None when the router was unreachable: it is looked up again, and the caller asks again
+        shortly. Raises `NoReplicaAvailable` when none took the first in time."""
         try:
             grants = ray.get(ref)
         except RayActorError:
@@ -138,8 +173,13 @@ class RouterLink:
             if isinstance(cause, NoReplicaAvailable):
                 raise cause from None
             raise
-        return [(item, self.lease(grant, item.num_tokens))
-                for item, grant in zip(items, grants, strict=True) if grant is not None]
+        leased = [(item, self.lease(grant, item.num_tokens, item.asked_at))
+                  for item, grant in zip(items, grants, strict=True) if grant is not None]
+        usable = [self.usable(lease) for _, lease in leased]
+        for (_, lease), ok in zip(leased, usable, strict=True):
+            if not ok:
+                self.lapsed(lease)
+        return [pair for pair, ok in zip(leased, usable, strict=True) if ok]
 
     def _take_spare(self, tokens: int, avoid: list[str]) -> Lease | None:
         """The smallest unexpired spare lease with room for `tokens`, on a replica not in

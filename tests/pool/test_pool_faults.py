@@ -1,11 +1,14 @@
-"""Two faults a real cluster has every day: an engine that runs out of memory on a large
-micro-batch, and a trainer killed while it holds leases. Each with its control: the same run
-without the fault."""
+"""Faults a real cluster has every day: an engine that runs out of memory on a large
+micro-batch, a trainer killed while it holds leases, and one that stalls past its leases' term.
+Each with its control: the same run without the fault (or, for the stall, with the trainer
+killed instead)."""
 
 import os
 import signal
 import threading
+import time
 
+import psutil
 import pytest
 import ray
 
@@ -19,6 +22,7 @@ from pool_helpers import (
     TIMEOUT_S,
     VOCAB,
     TrainerStandIn,
+    engine_inside,
     is_correct,
     micro_batches,
     replica_handle,
@@ -179,3 +183,153 @@ def test_the_lease_book_takes_back_what_a_dead_or_silent_owner_held_and_counts_i
     assert [t.tokens for t in book.expired(now=9.0 + 10.0 + GRACE_S)] == [100]
     assert book.give_back(kept) is None and len(book) == 0
     assert book.owners() == [], "owners holding nothing are forgotten"
+    assert book.heard(kept, now=60.0) is False, "a late report keeps nothing alive"
+
+
+def test_a_restarted_routers_book_takes_no_old_lease_for_one_of_its_own():
+    """Lease ids carry their book's generation: a report on a lease the router granted before
+    it restarted is late at the new one, even where the new one has granted as many leases; the
+    control, the same book, knows its own."""
+    owner = LeaseOwner("client", [None], term_s=10.0)
+    old = LeaseBook()
+    stale = [old.grant("replica-0", 10, owner, now=0.0) for _ in range(3)]
+    new = LeaseBook()
+    fresh = [new.grant("replica-0", 20, owner, now=0.0) for _ in range(3)]
+    assert not set(stale) & set(fresh)
+    assert [new.give_back(i) for i in stale] == [None] * 3 and len(new) == 3
+    assert [new.heard(i, now=1.0) for i in stale] == [False] * 3
+    assert [new.give_back(i).tokens for i in fresh] == [20] * 3
+    assert [old.give_back(i).tokens for i in stale] == [10] * 3
+
+
+# A stalled trainer's client: attempts of 4 s, leases passed on for 0.5 s, so a lease's term is
+# 4.5 s; the router's grace beyond it is 1.5 s (`lease_grace_s`).
+STALLED_CLIENT = {"timeout_s": 4.0, "lease_reuse_s": 0.5, "max_inflight_micro_batches": 4}
+LEASE_GRACE_S = 1.5
+LAPSE_S = 4.0 + 0.5 + LEASE_GRACE_S  # from its grant until the router takes a silent lease back
+ONE_EACH = 26  # tokens of one micro-batch (rows of 12, 5 and 9): room for one per replica
+
+
+@pytest.fixture(scope="module")
+def gated_pool(tmp_path_factory):
+    """Two replicas with room for one micro-batch each, held while `pool.gate` exists; shared
+    by the stall and its control (each counts from what the pool showed when it began)."""
+    gate = tmp_path_factory.mktemp("stall") / "hold"
+    pool = synthetic_pool("stall", replicas=2, lease_grace_s=LEASE_GRACE_S,
+                          max_outstanding_tokens_per_replica=ONE_EACH,
+                          backend_kwargs={"hold_while": str(gate)})
+    pool.gate = gate
+    try:
+        yield pool
+    finally:
+        pool.shutdown()
+
+
+class Counts:
+    """The router's counters since `Counts(pool)` was made."""
+
+    KEYS = ("leases", "leases_taken_back", "late_reports", "served")
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.before = self.now()
+
+    def now(self) -> dict:
+        status = self.pool.status()
+        status["served"] = sum(r["served_micro_batches"] for r in status["replicas"].values())
+        return {key: status[key] for key in self.KEYS}
+
+    def __getitem__(self, key: str) -> int:
+        return self.now()[key] - self.before[key]
+
+
+def counted(pool) -> int:
+    """Micro-batches the router counts on the replicas now (their leases held)."""
+    return sum(r["outstanding_micro_batches"] for r in pool.status()["replicas"].values())
+
+
+def waiting_tokens(pool) -> int:
+    """Tokens of lease requests waiting at the router for room."""
+    return ray.get(pool.router.demand.remote(), timeout=TIMEOUT_S).waiting_tokens
+
+
+def inside(pool) -> int:
+    """Micro-batches on the replicas' engines now (their own count)."""
+    return engine_inside(pool, 0) + engine_inside(pool, 1)
+
+
+def stall(pool, pid: int, counts: Counts) -> None:
+    """SIGSTOP the trainer holding its leases; SIGCONT it once the router took back all four
+    (the two it granted to the stopped trainer's waiting requests too) and twice a lease's
+    term plus grace has passed."""
+    stopped = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED)
+    # The trainer can change nothing now: it had re-run nothing before it stopped.
+    assert (counts["leases"], counts["leases_taken_back"]) == (2, 0), "too slow for 4 s"
+    wait_until(lambda: counts["leases_taken_back"] == 4, timeout_s=10 * LAPSE_S,
+               what="the stalled trainer's four leases taken back")
+    assert pool.status()["demand_tokens"] == 0
+    wait_until(lambda: time.monotonic() - stopped >= 2 * LAPSE_S, timeout_s=3 * LAPSE_S)
+    os.kill(pid, signal.SIGCONT)
+
+
+def resumed(pool, trainer, run) -> None:
+    """Back, the trainer runs two micro-batches (its room) on fresh leases and two wait for
+    room: the router counts every attempt it runs, none runs on a lease taken back. Then every
+    micro-batch arrives once, right, with no attempt charged."""
+    wait_until(lambda: waiting_tokens(pool) == 2 * ONE_EACH
+               and ray.get(trainer.running.remote(), timeout=TIMEOUT_S) == 2,
+               what="the resumed trainer's re-runs leased afresh")
+    assert counted(pool) == 2
+    pool.gate.unlink()
+    result = ray.get(run, timeout=TIMEOUT_S)
+    assert result["correct"] == [True] * 8, "each micro-batch once, right"
+    stats = result["stats"]
+    assert (stats.delivered, stats.retries, stats.abandoned_attempts) == (8, 0, 0)
+    assert stats.lapsed_leases >= 4 and sum(stats.served_by.values()) == 8
+
+
+@pytest.mark.parametrize("fault", ["stalled", "killed"])
+def test_a_stalled_client_gets_everything_once_and_a_killed_one_nothing(gated_pool, fault):
+    """A trainer stopped (SIGSTOP) for twice its leases' term plus grace, holding two leases
+    with micro-batches on held replicas and two requests waiting at the router, loses all four
+    leases (the two granted meanwhile too). Back, it runs nothing on them: the two attempts run
+    again on fresh leases without charging a replica or an attempt, and the two late grants go
+    back unused; each micro-batch arrives once, right, and the router counts each lease, late
+    report and result once. The control, killed (SIGKILL) instead: its leases come back,
+    nothing of its is served or reported; another client is unaffected after either."""
+    pool = gated_pool
+    pool.gate.touch()
+    counts = Counts(pool)
+    trainer = TrainerStandIn.options(max_restarts=0).remote(pool.config.name, **STALLED_CLIENT)
+    pid = ray.get(trainer.pid.remote(), timeout=TIMEOUT_S)
+    run = trainer.run.remote(8, seed=6)
+    wait_until(lambda: counted(pool) == 2 and waiting_tokens(pool) == 2 * ONE_EACH
+               and inside(pool) == 2, what="two micro-batches on the replicas, two waiting")
+    if fault == "stalled":
+        stall(pool, pid, counts)
+        resumed(pool, trainer, run)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: pool.status()["leases_held"] == 0
+                   and pool.status()["demand_tokens"] == 0,
+                   what="the killed trainer's leases and requests back")
+        pool.gate.unlink()
+        wait_until(lambda: inside(pool) == 0, what="its attempts finished, for no one")
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(run, timeout=TIMEOUT_S)
+    wait_until(lambda: pool.status()["leases_held"] == 0, what="every report in")
+    ran = 8 if fault == "stalled" else 0
+    assert counts["served"] == ran, "each result counted once, a given-up attempt's never"
+    assert counts["late_reports"] == (4 if fault == "stalled" else 0)
+    taken = counts["leases_taken_back"]
+    assert taken == 4 if fault == "stalled" else taken in (2, 4)
+    for replica in pool.status()["replicas"].values():
+        assert (replica["state"], replica["errors"], replica["restarts"]) == ("ready", 0, 0)
+    bystander = PoolClient.connect(pool.config.name, "eagle_ray_test")
+    inputs = micro_batches(6, seed=7)
+    assert all(is_correct(x, b) for x, b in zip(inputs, bystander.stream(inputs), strict=True))
+    assert (bystander.stats.delivered, bystander.stats.retries) == (6, 0)
+    wait_until(lambda: pool.status()["leases_held"] == 0)
+    assert counts["served"] == ran + 6 and pool.status()["demand_tokens"] == 0
