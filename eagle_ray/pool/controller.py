@@ -1,15 +1,23 @@
 """The pool controller: the one owner of a pool's replicas, and its autoscaler.
 
 Every replica is started, drained and stopped here (`add_replica`, `remove_replica`,
-`shutdown`): the controller reserves an index and a placement group, starts the actor, keeps its
-handle (a non-detached replica lives as long as the controller does, which lives as long as the
-pool's creator) and registers it with the router; removing one asks the router to drain it, then
-kills the actor and removes its group. `TargetPool` (a person's or a job's calls) and the
-autoscaling loop both go through it, so membership has one source of truth: the router adopts
-the controller's replicas (after a router restart too), and a restarted controller reads which
+`shutdown`): the controller reserves an index (in its record first) and a placement group, starts
+the actor and registers it with the router; removing one asks the router to drain it, then kills
+the actor and removes its group. `TargetPool` (a person's or a job's calls) and the autoscaling
+loop both go through it, so membership has one source of truth: the router adopts the
+controller's replicas (after a router restart too), and a restarted controller reads which
 replicas the pool had from its record in Ray's key-value store (in the GCS, which outlives both
-actors) and looks each up by the name it gave it: a detached pool's are adopted, the others died
-with it and as many new ones start. Nothing lists the cluster.
+actors), looks each up by the name it gave it and adopts it; only those gone start anew. Nothing
+lists the cluster.
+
+Replicas and the controller are detached actors in every pool, so neither's death takes the
+other down (Ray ends an actor with its owner: owned replicas would die with a controller that
+restarts, and every engine with them). The pool's life is its router's: the router is owned by
+the pool's creator (detached only when the pool is), so it ends with the creator's job; the
+controller watches it and, once it is gone for good, removes the replicas and their groups and
+ends itself (`_follow_the_router`). The controller finds the router by name rather than taking
+its handle: a non-detached actor's handle among a restartable actor's constructor arguments is
+what Ray reports, with an error line at every start, as arguments in the object store.
 
 With `autoscaling`, every `interval_s` it reads the router's demand (tokens leased and waiting),
 asks `AutoscalingPolicy` how many replicas that needs, and adds replicas -- each in a new
@@ -24,6 +32,7 @@ import asyncio
 import json
 import logging
 import time
+import warnings
 
 import ray
 from ray.actor import ActorHandle
@@ -43,17 +52,23 @@ logger = logging.getLogger(__name__)
 Supply = dict[str, tuple[ReplicaState, int]]  # replicas counted as supply: state, outstanding
 ROUTER_RESTART_WAIT_S = 120.0  # how long a call to the router (or the controller) waits out
 # its restart, here and in `TargetPool`
+LIFELINE_PERIOD_S = 1.0  # how often the controller checks that its pool's router still exists
+GONE_WAIT_S = 30.0  # how long an ending controller waits for its replicas' names to be free
+
+
+class RouterGone(RuntimeError):
+    """The pool's router no longer exists: the pool's creator ended, or it was shut down."""
 
 
 class PoolController:
-    """Async Ray actor named `<pool name>-controller`, created by `TargetPool.create` beside the
-    router."""
+    """Async, detached Ray actor named `<pool name>-controller`, created by `TargetPool.create`
+    after the router (which it looks up by name)."""
 
-    def __init__(self, config: PoolConfig, router: ActorHandle) -> None:
+    def __init__(self, config: PoolConfig) -> None:
         logging.basicConfig(level=logging.INFO)
         self._config = config
-        self._router = router
-        self._replicas: dict[int, ActorHandle] = {}  # the pool's replicas: it keeps them alive
+        self._router: ActorHandle | None = None  # looked up by name (`_router_actor`)
+        self._replicas: dict[int, ActorHandle] = {}  # the pool's replicas (detached actors)
         self._groups: dict[int, PlacementGroup] = {}
         self._next_index = 0  # the lowest index never handed out
         self._removing: set[int] = set()
@@ -66,8 +81,10 @@ class PoolController:
         self._blocked: str | None = None  # why scaling up stopped (replicas failed to start)
         self._rounds = 0
         self._metrics = ControllerMetrics(config.name)
+        self._task: asyncio.Task | None = None
         if self._policy is not None:
             self._task = asyncio.get_event_loop().create_task(self._autoscale_forever())
+        self._lifeline = asyncio.get_event_loop().create_task(self._follow_the_router())
 
     # ------------------------------------------------------------------ membership
 
@@ -84,15 +101,21 @@ class PoolController:
     async def _start(self) -> int:
         index = self._next_index
         self._next_index += 1
+        # Recorded before it exists: a controller that dies while starting it leaves no replica
+        # its successor does not know of (it adopts it, or replaces it when it never started).
+        self._record(starting=index)
         self._replicas[index], self._groups[index] = start_replica(self._config, index)
-        self._record()
         await self._call_router("add_replica", index, self._replicas[index])
         return index
 
-    def _record(self) -> None:
+    def _record(self, starting: int | None = None) -> None:
         """Write which replicas the pool has where a restarted controller finds them."""
+        indices = set(self._replicas) | ({starting} if starting is not None else set())
         kv_put(self._record_key, json.dumps({"next_index": self._next_index,
-                                             "replicas": sorted(self._replicas)}).encode())
+                                             "replicas": sorted(indices)}).encode())
+
+    def _read_record(self) -> dict:
+        return json.loads(kv_get(self._record_key) or b'{"next_index": 0, "replicas": []}')
 
     async def remove_replica(self, index: int | None = None, drain: bool = True) -> int:
         """Stop routing to a replica (the newest by default), drain it, kill it and remove its
@@ -127,63 +150,133 @@ class PoolController:
 
     async def shutdown(self) -> None:
         """Kill every replica and remove its placement group (no drain: the pool is going)."""
-        await self._adopted
-        for index in sorted(self._replicas):
-            stop_replica(self._replicas.pop(index), self._groups.pop(index, None))
-        kv_delete(self._record_key)
+        await asyncio.wait([self._adopted])  # done, whether it started every replica or not
+        await self._remove_everything()
 
     async def _adopt(self) -> None:
         """At creation, start the pool's first replicas (here, so the autoscaling loop never
-        sees a pool still being filled). After a restart, the replicas its record names: a
-        detached pool's outlive the controller and are adopted with their groups; a pool's that
-        is not detached died with the previous controller, so as many new ones start (and the
-        old groups go). The record, not the router, says which: both may have restarted."""
-        if not ray.get_runtime_context().was_current_actor_reconstructed:
+        sees a pool still being filled). After a restart, adopt the replicas its record names
+        with their groups: they are detached and outlive the controller, engines and all. One
+        gone meanwhile (killed for good, or never started) is dropped from the router and
+        replaced. The record, not the router, says which: both may have restarted."""
+        with warnings.catch_warnings():  # Ray's own property reads a deprecated one of its own
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if not restarted:
             for _ in range(self._config.initial_replicas):
                 await self._start()
             self._record()  # also when it starts none: no earlier pool's record stays
             return
-        record = json.loads(kv_get(self._record_key) or b'{"next_index": 0, "replicas": []}')
+        record = self._read_record()
         self._next_index = record["next_index"]
+        lost = []
         for index in record["replicas"]:
             handle, group = await asyncio.to_thread(self._look_up, index)
-            if self._config.detached and handle is not None:
-                self._replicas[index] = handle
-                if group is not None:
-                    self._groups[index] = group
-            elif handle is not None or group is not None:
-                stop_replica(handle, group)
-        lost = len(record["replicas"]) - len(self._replicas)
-        if lost:
-            logger.warning("the controller restarted: starting %d replicas in place of those "
-                           "that died with it", lost)
-            for _ in range(lost):
-                await self._start()
+            if handle is None:
+                stop_replica(None, group)
+                lost.append(index)
+                continue
+            self._replicas[index] = handle
+            if group is not None:
+                self._groups[index] = group
         self._record()
+        logger.info("the controller restarted: adopted replicas %s", sorted(self._replicas))
+        if lost:
+            logger.warning("replicas %s are gone; starting %d in their place", lost, len(lost))
+            for index in lost:  # the router may still list them (it adopts, never looks up)
+                await self._call_router("remove_replica", self._config.replica_name(index),
+                                        False)
+            for _ in lost:
+                await self._start()
+
+    def _replica(self, index: int) -> ActorHandle | None:
+        """Replica `index` by the name this controller gave it (None: gone for good)."""
+        try:
+            return ray.get_actor(self._config.replica_name(index),
+                                 namespace=self._config.namespace)
+        except ValueError:
+            return None
 
     def _look_up(self, index: int) -> tuple[ActorHandle | None, PlacementGroup | None]:
         """Replica `index` and its group, by the names this controller gave them (None: gone)."""
-        try:
-            handle = ray.get_actor(self._config.replica_name(index),
-                                   namespace=self._config.namespace)
-        except ValueError:
-            handle = None
+        handle = self._replica(index)
         try:
             group = ray.util.get_placement_group(self._config.placement_group_name(index))
         except ValueError:
             group = None
         return handle, group
 
+    async def _router_actor(self) -> ActorHandle:
+        """The pool's router, looked up by name once (its handle stays valid across its
+        restarts). Raises `RouterGone` when it no longer exists."""
+        if self._router is None:
+            try:
+                self._router = await asyncio.to_thread(
+                    ray.get_actor, self._config.router_name, namespace=self._config.namespace)
+            except ValueError:
+                raise RouterGone(f"the router {self._config.router_name} is gone") from None
+        return self._router
+
+    async def _router_gone(self) -> bool:
+        """Whether the router is gone for good: its name goes with it (not while it restarts)."""
+        try:
+            await asyncio.to_thread(ray.get_actor, self._config.router_name,
+                                    namespace=self._config.namespace)
+        except ValueError:
+            return True
+        return False
+
     async def _call_router(self, method: str, *args):
         """Call the router, waiting out its restart: the methods called here are idempotent."""
         deadline = time.monotonic() + ROUTER_RESTART_WAIT_S
         while True:
             try:
-                return await getattr(self._router, method).remote(*args)
+                return await getattr(await self._router_actor(), method).remote(*args)
             except RayActorError:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or await self._router_gone():
                     raise
                 await asyncio.sleep(0.5)
+
+    # ------------------------------------------------------------------ the pool's end
+
+    async def _follow_the_router(self) -> None:
+        """The pool lives as long as its router, which ends with the pool's creator (a job's
+        driver; nothing, for a detached pool) or `TargetPool.shutdown`. Once it is gone, remove
+        what the pool holds on the cluster and end: the replicas are detached, so nothing else
+        would."""
+        while True:
+            try:
+                if await self._router_gone():
+                    break
+            except Exception:  # the GCS did not answer: no news about the router
+                logger.exception("looking up the router failed")
+            await asyncio.sleep(LIFELINE_PERIOD_S)
+        logger.warning("pool %s: its router is gone (its creator ended); removing its replicas",
+                       self._config.name)
+        for task in (self._adopted, self._task):
+            if task is not None:
+                task.cancel()
+        await self._remove_everything()
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    async def _remove_everything(self) -> None:
+        """Kill every replica the record or this controller knows, remove their groups and the
+        record, and wait (a while) until their names are free for a pool of the same name."""
+        indices = sorted(set(self._read_record()["replicas"]) | set(self._replicas))
+        for index in indices:
+            handle, group = await asyncio.to_thread(self._look_up, index)
+            stop_replica(handle or self._replicas.pop(index, None),
+                         group or self._groups.pop(index, None))
+        self._replicas.clear()
+        self._groups.clear()
+        kv_delete(self._record_key)
+        deadline = time.monotonic() + GONE_WAIT_S
+        while time.monotonic() < deadline:
+            if not any([await asyncio.to_thread(self._replica, i) for i in indices]):
+                return
+            await asyncio.sleep(0.2)
+        logger.warning("replicas of pool %s still listed after %.0fs", self._config.name,
+                       GONE_WAIT_S)
 
     # ------------------------------------------------------------------ autoscaling
 
@@ -197,7 +290,7 @@ class PoolController:
             await asyncio.sleep(self._config.autoscaling.interval_s)
 
     async def _tick(self) -> None:
-        demand = await self._router.demand.remote()
+        demand = await (await self._router_actor()).demand.remote()
         removing = {self._config.replica_name(i) for i in self._removing}
         failed = sorted(name for name, (state, _) in demand.replicas.items()
                         if state is ReplicaState.FAILED)
@@ -257,7 +350,7 @@ class PoolController:
             self._metrics.replicas.set(value, tags={**self._metrics.tags, "kind": kind})
         self._metrics.demand.set(demand_tokens, tags=self._metrics.tags)
         cfg = self._config.autoscaling
-        await self._router.report_autoscaling.remote(AutoscalingReport(
+        await (await self._router_actor()).report_autoscaling.remote(AutoscalingReport(
             min_replicas=cfg.min_replicas, max_replicas=cfg.max_replicas,
             target_outstanding_tokens_per_replica=cfg.target_outstanding_tokens_per_replica,
             **counts, replicas=len(supply), removing=len(self._removing), **self._counts,

@@ -26,12 +26,15 @@ def replica_bundle(config: PoolConfig) -> dict[str, float]:
 
 
 def create_replica_placement_group(config: PoolConfig, index: int) -> PlacementGroup:
-    """Reserve one replica's resources; a group that does not fit stays pending, never fails."""
+    """Reserve one replica's resources; a group that does not fit stays pending, never fails.
+    Detached in every pool, as the replica is: Ray removes a group its creator (the controller,
+    a detached actor) made otherwise when that creator dies, restarts included, and kills the
+    replica in it. The controller removes it, after the replica, when the pool ends."""
     return placement_group(
         [replica_bundle(config)],
         strategy="STRICT_PACK",
         name=config.placement_group_name(index),
-        lifetime="detached" if config.detached else None,
+        lifetime="detached",
     )
 
 

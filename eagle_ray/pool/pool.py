@@ -44,10 +44,8 @@ class TargetPool:
 
     def __init__(self, config: PoolConfig, router: Any, controller: Any) -> None:
         self.config = config
-        self.router = router
-        # The controller owns the replicas (`pool/controller.py`); a non-detached actor lives as
-        # long as a handle to it does, so the pool keeps this one.
-        self.controller = controller
+        self.router = router  # owned by the pool's creator unless detached: the pool's life
+        self.controller = controller  # the replicas' one owner (`pool/controller.py`)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -75,12 +73,15 @@ class TargetPool:
             resources=dict(config.router_resources),
         ).remote(config)
         # The replicas' owner lives on the head node: a node an autoscaler reclaims (or the
-        # router's, when it fails) takes no replica down with it.
+        # router's, when it fails) takes no replica down with it. Detached in every pool: it
+        # follows the router, which ends with this process unless the pool is detached, and
+        # removes the replicas then (`pool/controller.py`). It looks the router up by name: a
+        # handle among its arguments would be an object-store argument to Ray (an error line).
         controller = _ControllerActor.options(
             name=config.controller_name, namespace=config.namespace,
-            lifetime="detached" if config.detached else None, max_restarts=-1, num_cpus=0,
+            lifetime="detached", max_restarts=-1, num_cpus=0,
             resources={HEAD_NODE_RESOURCE: 0.001},
-        ).remote(config, router)
+        ).remote(config)
         pool = cls(config, router, controller)
         pool._call_controller("members")  # returns once it has started the first replicas
         replicas = config.initial_replicas
@@ -208,13 +209,32 @@ def _call(actor: Any, method: str, *args: Any) -> Any:
 
 def _refuse_a_running_pool(config: PoolConfig) -> None:
     """A second pool of the same name would fail on Ray's taken-name error half way through
-    creating it; say which pool runs and what to do instead, before anything starts."""
+    creating it; say which pool runs and what to do instead, before anything starts. A pool of
+    that name whose creator just ended is waited for: its controller is removing its replicas,
+    whose names it then frees."""
     try:
         ray.get_actor(config.router_name, namespace=config.namespace)
     except ValueError:
+        _wait_until_gone(config.controller_name, config.namespace)
         return
     raise ValueError(
         f"a pool named {config.name!r} already runs in namespace {config.namespace!r} on this "
         f"cluster: use it (`use_shared_pool: true` in a job, `TargetPool.connect`), remove it "
         f"(`eagle-ray shutdown --name {config.name} --namespace {config.namespace}`), or name "
         f"this one differently (`target.name`)")
+
+
+def _wait_until_gone(name: str, namespace: str) -> None:
+    """Wait (up to ROUTER_RESTART_WAIT_S) until no actor is named `name`."""
+    deadline = time.monotonic() + ROUTER_RESTART_WAIT_S
+    while True:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name}, of an ended pool of the same name, is still there "
+                               f"after {ROUTER_RESTART_WAIT_S:.0f}s removing its replicas (its "
+                               f"log says why)")
+        logger.info("%s is removing an ended pool of the same name; waiting", name)
+        time.sleep(0.5)

@@ -15,6 +15,19 @@ from eagle_ray.pool.placement import create_replica_placement_group, replica_act
 
 logger = logging.getLogger(__name__)
 
+# Ray warns at every restartable detached actor placed in a group that removing the group kills
+# it for good (`ray/actor.py`). Not so here: a replica's group is removed only by `stop_replica`,
+# after the replica is killed. The warning would greet every pool start, so it is dropped.
+RAY_GROUP_WARNING = "Scheduling a restartable detached actor with a placement group"
+
+
+class _NoGroupWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(RAY_GROUP_WARNING)
+
+
+_NO_GROUP_WARNING = _NoGroupWarning()
+
 
 @functools.cache
 def replica_actor_class(concurrency: int):
@@ -27,16 +40,19 @@ def replica_actor_class(concurrency: int):
 
 
 def start_replica(config: PoolConfig, index: int) -> tuple[ActorHandle, PlacementGroup]:
-    """Reserve a placement group and start replica `index` in it. The caller keeps the handle
-    (a non-detached actor dies with its owner) and registers it with the router.
+    """Reserve a placement group and start replica `index` in it, as a detached actor in every
+    pool: an owned one would die with the controller, and its engine with it; the controller
+    removes it when the pool ends (`PoolController._follow_the_router`). The caller registers it
+    with the router.
 
     A group that does not fit stays pending (an autoscaler may add a node for it); the rest of
     the pool keeps serving.
     """
     group = create_replica_placement_group(config, index)
+    logging.getLogger("ray.actor").addFilter(_NO_GROUP_WARNING)  # again: no second copy
     handle = replica_actor_class(config.replica_concurrency).options(
         name=config.replica_name(index), namespace=config.namespace,
-        lifetime="detached" if config.detached else None,
+        lifetime="detached",
         max_restarts=-1, max_task_retries=0,
         **replica_actor_options(config, group),
     ).remote(config, index)

@@ -8,8 +8,6 @@ The real-engine pool test is test_pool_vllm.py; router and node outages are in
 test_pool_cluster.py.
 """
 
-import gc
-import os
 import threading
 
 import numpy as np
@@ -22,7 +20,6 @@ from eagle_ray.contract.fp8 import ROUND_TRIP_BOUND
 from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.pool import ClientConfig, MicroBatchFailed, PoolClient, TargetPool
 from eagle_ray.pool.transport import batch_from_numpy, batch_to_numpy
-from eagle_ray.ray_compat import actor_id
 from eagle_ray.testing import synthetic_aux_states
 
 from pool_helpers import (
@@ -386,71 +383,6 @@ def test_a_replica_is_drained_with_leases_out_and_an_added_one_serves(gate):
         assert list(pool.status()["replicas"]) == ["scale-replica-0"]
         assert client.stats.served_by[pool.config.replica_name(index)] >= 1, \
             "the added replica served some"
-    finally:
-        pool.shutdown()
-
-
-def test_the_controller_owns_every_replica_and_replaces_them_when_it_restarts():
-    """One owner (pool/controller.py): a replica added through an attached pool outlives that
-    pool object (it was the adding process's before: gone with its handle); and when the
-    controller itself dies and restarts (the replicas of a pool that is not detached die with
-    it), it starts as many in their place, the router drops the dead ones, and the pool serves."""
-    pool = synthetic_pool("owner", replicas=1)
-    try:
-        attached = TargetPool.connect("owner", "eagle_ray_test")
-        index = attached.add_replica()
-        del attached
-        gc.collect()
-        pool.wait_ready(2)
-        assert sorted(ray.get(pool.controller.members.remote(), timeout=TIMEOUT_S)) == [0, index]
-        client = pool.client()
-        inputs = micro_batches(8, seed=21)
-        assert all(is_correct(x, b) for x, b in zip(inputs, client.stream(inputs), strict=True))
-        assert client.stats.served_by.get(pool.config.replica_name(index), 0) >= 1
-        ray.kill(pool.controller, no_restart=False)
-        replaced = [pool.config.replica_name(i) for i in (index + 1, index + 2)]
-        wait_until(lambda: sorted(pool.status()["replicas"]) == replaced
-                   and pool.status()["ready_replicas"] == 2,
-                   what="two new replicas in place of those that died with the controller")
-        inputs = micro_batches(8, seed=22)
-        fresh = pool.client()
-        assert all(is_correct(x, b) for x, b in zip(inputs, fresh.stream(inputs), strict=True))
-    finally:
-        pool.shutdown()
-
-
-RESTART_S = 120  # an actor's restart on a loaded 2-core machine (ROUTER_RESTART_WAIT_S's)
-
-
-def process_id(actor) -> int | None:
-    """The actor's process id (None while it restarts): a new one says the restart happened."""
-    try:
-        return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=5)
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        return None
-
-
-def test_a_detached_pool_whose_router_and_controller_restart_together_keeps_its_replicas():
-    """Neither can adopt from the other then: the controller's record in Ray's key-value store
-    names the replicas, which a detached pool's outlive both, so the same actors serve again."""
-    pool = synthetic_pool("both-restart", replicas=2, detached=True)
-    try:
-        before = {i: actor_id(replica_handle(pool, i)) for i in (0, 1)}
-        pids = {actor: process_id(actor) for actor in (pool.router, pool.controller)}
-        ray.kill(pool.router, no_restart=False)
-        ray.kill(pool.controller, no_restart=False)
-        wait_until(lambda: all(process_id(actor) not in (None, pid)
-                               for actor, pid in pids.items()),
-                   timeout_s=RESTART_S, what="the router and the controller restarted")
-        wait_until(lambda: pool.status()["ready_replicas"] == 2, timeout_s=RESTART_S,
-                   what="the router routing to the pool's replicas again")
-        assert sorted(pool.status()["replicas"]) == [pool.config.replica_name(i) for i in (0, 1)]
-        assert {i: actor_id(replica_handle(pool, i)) for i in (0, 1)} == before, "adopted"
-        assert sorted(ray.get(pool.controller.members.remote(), timeout=TIMEOUT_S)) == [0, 1]
-        inputs = micro_batches(8, seed=23)
-        client = pool.client()
-        assert all(is_correct(x, b) for x, b in zip(inputs, client.stream(inputs), strict=True))
-        assert pool.add_replica() == 2, "the index counter came back with the record"
     finally:
         pool.shutdown()
 
