@@ -131,6 +131,34 @@ def test_the_exact_expectation_stands_beside_vllm_and_the_simulation():
     assert len(apart) == 1 and "k=3, t=1" in apart[0] and "k=3, t=0" not in apart[0]
 
 
+def test_sampled_the_exact_figure_is_the_one_on_vllms_own_answers():
+    """Where the evaluation replayed vLLM's sampled answers, that expectation is the row "exact,
+    trained" (its range vLLM's figure falls in), and vLLM AGREEMENT_Z standard errors from it
+    is called out however wide vLLM's interval over prompts: 10 % under, with a standard error
+    of 0.05, is flagged, the figure itself is not."""
+    from eagle_ray.train.report import acceptance_lines, vllm_agrees
+
+    paired = {"expected": 2.0, "standard_error": 0.05, "interval_95": [1.902, 2.098],
+              "verify_steps": 400, "acceptance_per_position": [0.5] * 7}
+    sampled = {"num_speculative_tokens": 7, "temperature": 1.0, "trained": 2.6,
+               "untrained": 1.0, "trained_expected": 2.6,
+               "trained_expected_interval_95": [2.2, 3.0], "trained_on_vllm_answers": paired,
+               "acceptance_per_position_trained": [0.5] * 7,
+               "acceptance_per_position_untrained": [0.0] * 7}
+    measured = {"num_speculative_tokens": 7, "temperature": 1.0, "mean_acceptance_length": 2.04,
+                "interval_95": [1.6, 2.5], "acceptance_per_position": [0.5] * 7}
+    report = {"prompts": 8, "turns": 8, "vllm": [measured], "simulated": [sampled]}
+    lines = acceptance_lines(report)
+    assert any(line.split() == ["exact,", "trained", "2.00", "[1.90-2.10]"] for line in lines)
+    assert vllm_agrees(measured, sampled) and not any("disagree" in line for line in lines)
+    measured["mean_acceptance_length"] = 1.8  # 10 % under: z = -4
+    assert not vllm_agrees(measured, sampled)
+    assert any("disagree at k=7, t=1" in line for line in acceptance_lines(report))
+    # The control: without the replay, the weak test of overlapping intervals passes it.
+    del sampled["trained_on_vllm_answers"]
+    assert vllm_agrees(measured, sampled)
+
+
 def test_the_draft_line_gives_the_counted_forwards_and_flags_a_draft_run_against_its_kind():
     from eagle_ray.train.report import acceptance_lines
 

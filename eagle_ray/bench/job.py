@@ -74,7 +74,10 @@ def summary_lines(arm: str, summary: dict[str, Any], shipped: dict[str, Any] | N
 
 def _acceptance(summary: dict[str, Any]) -> dict[tuple[int, float], dict[str, float]]:
     """Per (k, t): vLLM's acceptance length, the exact expectation (greedy: the deterministic
-    simulation) and the untrained draft's."""
+    simulation; sampled: on vLLM's own answers where the summary has it) and the untrained
+    draft's."""
+    from eagle_ray.train.report import exact_expectation
+
     evaluation = summary["eval"]
     vllm = {(r["num_speculative_tokens"], r["temperature"]): r["mean_acceptance_length"]
             for r in evaluation["vllm"]}
@@ -82,7 +85,7 @@ def _acceptance(summary: dict[str, Any]) -> dict[tuple[int, float], dict[str, fl
     for row in evaluation["simulated"]:
         key = (row["num_speculative_tokens"], row["temperature"])
         out[key] = {"vllm_acceptance_length": vllm[key],
-                    "exact_acceptance_length": row.get("trained_expected", row["trained"]),
+                    "exact_acceptance_length": exact_expectation(row)[0],
                     "untrained_acceptance_length": row.get("untrained_expected",
                                                            row["untrained"])}
     return out

@@ -191,6 +191,10 @@ class EvalConfig:
     7): one table cell each."""
     temperatures: list[float] = dataclasses.field(default_factory=lambda: [0.0, 1.0])
     """Sampling temperatures: one table cell each."""
+    samples_per_prompt: int = 1
+    """Answers vLLM samples per prompt at a temperature above 0 (pooled; the interval resamples
+    prompts): more verify steps for the comparison with the exact expectation on vLLM's own
+    answers to tell a 10 % shortfall from chance."""
     bootstrap_samples: int = 1000
     """Resamples of the prompts for the 95 % interval."""
     seed: int = 0

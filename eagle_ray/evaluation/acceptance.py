@@ -30,6 +30,17 @@ TEMPLATE_TOKENS_PER_TURN = 16  # what a chat template writes around an answer, a
 Answerer = Callable[[list[int], list[list[int]]], list[list[int]]]
 
 
+@dataclasses.dataclass(frozen=True)
+class ServedAnswer:
+    """One answer vLLM sampled: the turn's prompt as sent, the tokens it emitted (its stop token
+    included), and its per-request counters (verify steps by draft tokens accepted; None when
+    none was verified). `eagle_ray.evaluation.paired` replays it."""
+
+    prompt: list[int]
+    answer: list[int]
+    histogram: list[int] | None
+
+
 @dataclasses.dataclass
 class AcceptanceTally:
     """Verify steps by how many draft tokens each accepted (`histogram[j]`, j = 0..k): one
@@ -130,21 +141,27 @@ def vllm_acceptance_table(
     serving: DraftServing, prompts: Sequence[EvalPrompt], tokenizer,
     ks: Sequence[int], temperatures: Sequence[float], max_new_tokens: int,
     stop_token_ids: Sequence[int] = (), reference: Answerer | None = None,
-    bootstrap_samples: int = 1000, seed: int = 0,
+    bootstrap_samples: int = 1000, seed: int = 0, samples_per_prompt: int = 1,
+    served: dict[tuple[int, float], list[ServedAnswer]] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (k, temperature): `summarise`'s figures, the prompts that failed (counted,
     with why), the draft forwards vLLM ran (`draft_forwards.since`), and at temperature 0 the
     share of answers equal to `reference`'s (the target's greedy answers without speculation;
     speculation must not change them; `reference` answers None for a prompt it does not know,
-    which counts as changed)."""
+    which counts as changed). At a temperature above 0 each prompt is answered
+    `samples_per_prompt` times (its answers pooled, the bootstrap resampling prompts), and
+    every answer goes into `served[k, temperature]` (for `eagle_ray.evaluation.paired`)."""
     rows = []
     max_model_len = eval_max_model_len(serving.model_path, prompts, tokenizer, max_new_tokens)
     for k in ks:
         with evaluation_engine(serving, k, max_model_len, seed) as llm:
             for temperature in temperatures:
                 before = draft_forwards.read(llm)
+                answers = None if served is None or temperature == 0 else served.setdefault(
+                    (k, temperature), [])
                 rows.append(_measure(llm, prompts, tokenizer, k, temperature, max_new_tokens,
-                                     stop_token_ids, reference, bootstrap_samples, seed))
+                                     stop_token_ids, reference, bootstrap_samples, seed,
+                                     samples_per_prompt, answers))
                 rows[-1]["draft_forwards"] = draft_forwards.since(llm, before)
                 logger.info("acceptance k=%d temperature %.1f: %.2f (95%% %.2f-%.2f) over %d "
                             "prompts", k, temperature, rows[-1]["mean_acceptance_length"],
@@ -154,29 +171,40 @@ def vllm_acceptance_table(
 
 def _measure(llm, prompts: Sequence[EvalPrompt], tokenizer, k: int, temperature: float,
              max_new_tokens: int, stop_token_ids: Sequence[int], reference: Answerer | None,
-             bootstrap_samples: int, seed: int) -> dict[str, Any]:
+             bootstrap_samples: int, seed: int, samples_per_prompt: int = 1,
+             served: list[ServedAnswer] | None = None) -> dict[str, Any]:
     sampling = Sampling(max_new_tokens, temperature, stop_token_ids=tuple(stop_token_ids))
-    tallies = [AcceptanceTally.empty(k) for _ in prompts]
+    copies = samples_per_prompt if temperature > 0 else 1  # greedy answers would repeat
+    asked = [prompt for prompt in prompts for _ in range(copies)]
+    tallies = [AcceptanceTally.empty(k) for _ in asked]
     greedy_equal: list[bool] = []
 
     def answer(owners: list[int], batch: list[list[int]]) -> list[list[int]]:
         outputs = _generate(llm, batch, sampling)
         answers = [list(o.outputs[0].token_ids) for o in outputs]
-        for i, output in zip(owners, outputs, strict=True):
+        for i, ids, output in zip(owners, batch, outputs, strict=True):
             metrics = output.outputs[0].spec_decode_metrics
-            if metrics is not None:  # None: the answer ended before a draft was verified
-                tallies[i].add(metrics.histogram)
+            histogram = None if metrics is None else list(metrics.histogram)
+            if histogram is not None:  # None: the answer ended before a draft was verified
+                tallies[i].add(histogram)
+            if served is not None:
+                served.append(ServedAnswer(list(ids), list(output.outputs[0].token_ids),
+                                           histogram))
         if temperature == 0 and reference is not None:
             greedy_equal.extend(r is not None and a == r for a, r in zip(
                 answers, reference(owners, batch), strict=True))
         return answers
 
     room = llm.llm_engine.model_config.max_model_len - max_new_tokens
-    _, failed = answer_turn_by_turn(prompts, tokenizer, answer, room)
+    _, failed = answer_turn_by_turn(asked, tokenizer, answer, room)
+    per_prompt: dict[int, AcceptanceTally] = {}  # a prompt's answers pooled, failed ones left out
+    for i, tally in enumerate(tallies):
+        if i not in failed:
+            per_prompt.setdefault(i // copies, AcceptanceTally.empty(k)).add(tally.histogram)
     row = {"num_speculative_tokens": k, "temperature": temperature,
-           **summarise([t for i, t in enumerate(tallies) if i not in failed], k,
-                       bootstrap_samples, seed),
-           "failed": len(failed), "failures": sorted(set(failed.values()))[:3]}
+           **summarise(list(per_prompt.values()), k, bootstrap_samples, seed),
+           "answers_per_prompt": copies, "failed": len({i // copies for i in failed}),
+           "failures": sorted(set(failed.values()))[:3]}
     if greedy_equal:
         row["greedy_equal_fraction"] = sum(greedy_equal) / len(greedy_equal)
     return row

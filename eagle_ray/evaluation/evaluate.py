@@ -10,11 +10,13 @@ target's GPUs are (a Ray task: `evaluate_on_cluster`).
    turns, at the same k and temperatures, for the trained draft and an untrained one (the
    baseline), on the target's aux states and distributions from the pool's own backend (vLLM at
    the pool's tensor-parallel size by default): independent of vLLM's speculative decoding, so
-   each checks the other (at temperature 0 they agree exactly).
+   each checks the other (at temperature 0 they agree exactly). Above temperature 0 it also
+   replays vLLM's own sampled answers (`eagle_ray.evaluation.paired`): the exact expectation
+   of vLLM's figure on the same answers, which vLLM must match within its standard error.
 
 The greedy reference both need (the turns' answers, and the output speculation must not change)
 comes from vLLM serving the target as the draft is served, without the draft. One engine at a
-time: the reference, then the simulation's backend, then each k's serving engine, each shut down
+time: the reference, then each k's serving engine, then the simulation's backend, each shut down
 before the next starts.
 """
 
@@ -40,11 +42,13 @@ from eagle_ray.draft.export import load_exported_draft
 from eagle_ray.draft.model import Eagle3Draft
 from eagle_ray.draft.serving import DraftServing
 from eagle_ray.evaluation.acceptance import (
+    ServedAnswer,
     answer_turn_by_turn,
     eval_max_model_len,
     reference_engine,
     vllm_acceptance_table,
 )
+from eagle_ray.evaluation.paired import replay_served
 from eagle_ray.evaluation.prompts import EvalPrompt, EvalPrompts, read_eval_prompts
 from eagle_ray.evaluation.simulate import (
     draft_seconds_per_verify_step,
@@ -88,6 +92,9 @@ def check_eval_settings(eval_config: EvalConfig, ttt_steps: int | None,
                           f"(greedy) or more")
     if eval_config.prompts < 1:
         raise ConfigError(f"eval.prompts={eval_config.prompts}: evaluate at least one prompt")
+    if eval_config.samples_per_prompt < 1:
+        raise ConfigError(f"eval.samples_per_prompt={eval_config.samples_per_prompt}: sample "
+                          f"at least one answer per prompt")
 
 
 def evaluation_prompts(eval_config: EvalConfig,
@@ -174,12 +181,12 @@ def simulation_target(pool: PoolConfig, serving: DraftServing, longest: int
 def evaluate_draft(target: PoolConfig, serving: DraftServing, prompts: EvalPrompts,
                    eval_config: EvalConfig) -> dict[str, Any]:
     """Acceptance of the exported draft: the target's greedy answers from vLLM without the draft
-    (`greedy_reference`), the project's own simulation of the trained and of an untrained draft
-    on the pool's backend for `target` (`simulation_target`), then vLLM serving the draft at
-    every k and temperature of `eval_config` as `serving.command(k)` does
-    (`eagle_ray.evaluation.acceptance`), on the same turns; on the target the draft was exported
-    for (its aux layer ids), in the target's dtype. Runs where it is called: a job runs it as a
-    Ray task with the target's resources (`evaluate_on_cluster`)."""
+    (`greedy_reference`), vLLM serving the draft at every k and temperature of `eval_config` as
+    `serving.command(k)` does (`eagle_ray.evaluation.acceptance`), then the project's own
+    simulation of the trained and of an untrained draft on the pool's backend for `target`
+    (`simulation_target`), with vLLM's sampled answers replayed, on the same turns; on the
+    target the draft was exported for (its aux layer ids), in the target's dtype. Runs where it
+    is called: a job runs it as a Ray task with the target's resources (`evaluate_on_cluster`)."""
     from eagle_ray.data.tokenizer_files import load_tokenizer
     from eagle_ray.draft.export import exported_ttt_steps
 
@@ -201,14 +208,15 @@ def evaluate_draft(target: PoolConfig, serving: DraftServing, prompts: EvalPromp
     # A verify step sends up to k drafted tokens after a turn's prompt and its answer so far
     # (and the engine samples one token after them).
     longest = eval_max_model_len(serving.model_path, prompts.prompts, tokenizer, n, max(ks)) - 1
-    report.update(_simulate(target, serving, longest, turn_prompts, greedy([], turn_prompts),
-                            eval_config, stops))
-    _free_device_memory()  # the simulation's engine, before the serving engines start
-    if eval_config.vllm:
+    served: dict[tuple[int, float], list[ServedAnswer]] = {}  # vLLM's sampled answers
+    if eval_config.vllm:  # before the simulation, which replays vLLM's sampled answers
         report["vllm"] = vllm_acceptance_table(
             serving, prompts.prompts, tokenizer, ks, eval_config.temperatures, n, stops,
             reference=greedy, bootstrap_samples=eval_config.bootstrap_samples,
-            seed=eval_config.seed)
+            seed=eval_config.seed, samples_per_prompt=eval_config.samples_per_prompt,
+            served=served)
+    report.update(_simulate(target, serving, longest, turn_prompts, greedy([], turn_prompts),
+                            eval_config, stops, served))
     report["draft"].update(measured_draft_forwards(report.get("vllm", []), ks,
                                                    report["draft"]["kind"]))
     logger.info("evaluation on %d prompts (%d turns): %s", len(prompts.prompts),
@@ -220,10 +228,12 @@ def evaluate_draft(target: PoolConfig, serving: DraftServing, prompts: EvalPromp
 
 def _simulate(pool: PoolConfig, serving: DraftServing, longest: int,
               turn_prompts: list[list[int]], continuations: list[list[int]],
-              eval_config: EvalConfig, stops: tuple[int, ...]) -> dict[str, Any]:
+              eval_config: EvalConfig, stops: tuple[int, ...],
+              served: dict[tuple[int, float], list[ServedAnswer]]) -> dict[str, Any]:
     """On `simulation_target`: the simulated acceptance of the trained and an untrained draft at
-    every k and temperature, the draft's time per verify step, and the target's top probability
-    along its greedy answers (`continuations`)."""
+    every k and temperature, the exact expectation on vLLM's own sampled answers (`served`,
+    `eagle_ray.evaluation.paired`), the draft's time per verify step, and the target's top
+    probability along its greedy answers (`continuations`)."""
     ks = eval_config.num_speculative_tokens
     with simulation_target(pool, serving, longest) as target:
         trained, untrained, vocab = _drafts(target, serving.draft_dir)
@@ -244,8 +254,23 @@ def _simulate(pool: PoolConfig, serving: DraftServing, longest: int,
                 logger.info("simulated k=%d t=%g: trained %.2f (exact %.2f), untrained %.2f "
                             "(exact %.2f)", k, temperature, row["trained"],
                             row["trained_expected"], row["untrained"], row["untrained_expected"])
+            if served.get((k, temperature)):
+                row["trained_on_vllm_answers"] = _on_vllm_answers(
+                    target, trained, vocab, served[k, temperature], k, temperature)
             report["simulated"].append(row)
     return report
+
+
+def _on_vllm_answers(target: RunnerEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,
+                     answers: list[ServedAnswer], k: int, temperature: float) -> dict[str, Any]:
+    """The exact expectation of vLLM's length on its own `answers` (`paired.replay_served`)."""
+    paired = replay_served(target, draft, vocab, answers, k, temperature).summary()
+    logger.info("k=%d t=%g: vLLM %.3f, exact on its %d answers %.3f (standard error %.3f, %d "
+                "verify steps; %d of the answers replayed with vLLM's own step count)", k,
+                temperature, paired["vllm_length"], paired["answers"], paired["expected"],
+                paired["standard_error"], paired["verify_steps"],
+                paired["answers_with_vllms_steps"])
+    return paired
 
 
 def measured_draft_forwards(rows: Sequence[dict[str, Any]], ks: Sequence[int], kind: str

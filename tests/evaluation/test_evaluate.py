@@ -90,15 +90,16 @@ class FakeEngines:
         self.alive -= 1
 
 
-def evaluate_with(engines: FakeEngines, served, monkeypatch):
-    """The evaluation at k = 2, greedy, with `engines` standing in for vLLM, the served engines
-    at tensor-parallel size 2, the simulation on the HF backend."""
+def evaluate_with(engines: FakeEngines, served, monkeypatch, **settings):
+    """The evaluation at k = 2, greedy unless `settings` say otherwise, with `engines` standing
+    in for vLLM, the served engines at tensor-parallel size 2, the simulation on the HF
+    backend."""
     _, path, draft_dir = served
     monkeypatch.setattr(runner, "build_llm", engines.build_llm)
     pool = PoolConfig(backend="hf", model_path=path, dtype="float32")
     serving = DraftServing(path, draft_dir, "float32", tp_size=2)
-    config = EvalConfig(prompts=3, max_new_tokens=8, num_speculative_tokens=[2],
-                        temperatures=[0.0], bootstrap_samples=10)
+    config = EvalConfig(**{"prompts": 3, "max_new_tokens": 8, "num_speculative_tokens": [2],
+                           "temperatures": [0.0], "bootstrap_samples": 10, **settings})
     return evaluate_draft(pool, serving, EvalPrompts(PROMPTS, {}), config)
 
 
@@ -135,6 +136,24 @@ def test_the_draft_forwards_reported_are_those_the_engine_counted(served, monkey
     assert draft["kind"] == "eagle3"
     assert draft["forwards_per_verify_step"] == {"2": 1.0}
     assert draft["drafts_as_its_kind"] is False
+
+
+def test_sampled_each_prompt_is_answered_samples_per_prompt_times_and_replayed(served,
+                                                                              monkeypatch):
+    """At temperature 1 the serving engine answers every prompt `eval.samples_per_prompt` times
+    (each copy its own conversation: a turn's batch holds every prompt's copies; greedily, once:
+    the first test); the row pools a prompt's answers (the interval resamples the 3 prompts),
+    and the simulation replays every sampled answer, the second turn's too
+    (`eagle_ray.evaluation.paired`)."""
+    engines = FakeEngines(reference=served[0], speculative=served[0])
+    report = evaluate_with(engines, served, monkeypatch, temperatures=[1.0],
+                           samples_per_prompt=3)
+    assert [len(batch) for batch in engines.prompts["speculative"]] == [9, 3]
+    [row] = report["vllm"]
+    assert row["answers_per_prompt"] == 3 and row["prompts"] == 3
+    [simulated] = report["simulated"]
+    assert simulated["trained_on_vllm_answers"]["answers"] == 12
+    assert simulated["trained_on_vllm_answers"]["verify_steps"] > 0
 
 
 def test_a_reference_from_another_model_fails_the_greedy_check(served, monkeypatch, hf_llama):

@@ -7,15 +7,10 @@ import math
 
 import pytest
 import torch
-from kit_helpers import kit_rows
 
-from eagle_ray.data.chat import prompt_for_turn, stop_token_ids
-from eagle_ray.data.micro_batches import make_micro_batches
-from eagle_ray.draft.model import DraftConfig, Eagle3Draft
 from eagle_ray.evaluation import simulate
 from eagle_ray.evaluation.evaluate import greedy_generate
 from eagle_ray.evaluation.simulate import VerifyStep, simulate_acceptance, simulate_sampled
-from eagle_ray.tiny import generate_chat_samples
 
 Z = 4.0  # |realised - sum of E[accepted | context]| <= Z * sqrt(sum of Var[accepted | context])
 K = 3
@@ -60,27 +55,6 @@ def test_the_sampler_accepts_with_the_shared_alphas():
     assert abs(sum(counts) / len(counts) - mean) <= 4 * math.sqrt(variance / len(counts))
     assert simulate._speculate(_step([1.0, 1.0], stopped=True), generator, sample) == (2, None)
     assert simulate._speculate(_step([1.0, 1.0, 1.0]), generator, sample) == (3, 7)
-
-
-@pytest.fixture(scope="module")
-def tiny_pair():
-    """The pre-trained tiny Llama (fp32), a draft trained on it for 30 steps (the training
-    loop's learner), its vocabulary, 48 held-out prompts and the stop tokens."""
-    from eagle_ray.config import TrainConfig
-    from eagle_ray.train.loop import DraftLearner
-
-    target, tokenizer, rows, vocab = kit_rows(48, seed=5)
-    supervision = [target.generate_batch(*mb) for mb in make_micro_batches(rows, 8)] * 5
-    torch.manual_seed(0)
-    draft = Eagle3Draft(DraftConfig.from_target(target.model.config, vocab.size),
-                        target.get_input_embeddings().weight.detach())
-    learner = DraftLearner(draft, target.get_target_head(), vocab,
-                           TrainConfig(steps=30, warmup_steps=2, lr=3e-3), torch.device("cpu"))
-    for batch in supervision[:30]:
-        learner.step(batch)
-    prompts = [prompt_for_turn(tokenizer, s["messages"], 2)
-               for s in generate_chat_samples(48, seed=321)]
-    return target, learner.draft.eval(), vocab, prompts, tuple(stop_token_ids(tokenizer))
 
 
 def _run(tiny_pair, temperature: float, seed: int = 0) -> simulate.SampledAcceptance:
