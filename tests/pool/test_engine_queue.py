@@ -76,7 +76,7 @@ def test_micro_batches_waiting_together_share_one_call_within_the_token_cap(hf_t
     stats = dataclasses.asdict(queue.stats)
     engine_s, host_s = stats.pop("engine_s"), stats.pop("host_s")
     assert stats == {"engine_calls": 3, "micro_batches": 5, "merged_calls": 1, "inside": 0,
-                     "handoff_overflows": 0, "engine_restarts": 0}
+                     "handoff_overflows": 0, "engine_restarts": 0, "nonfinite_refused": 0}
     assert engine_s > 0 and host_s > 0
     for part, got in zip(parts, results, strict=True):
         torch.testing.assert_close(got.aux_hidden_states,
