@@ -316,11 +316,12 @@ def test_the_printed_serve_command_serves_what_the_evaluation_served(trained):
 
 def assert_counted_every_verify_step(report) -> None:
     """Each vLLM row's draft forwards were counted in its engine over the proposals vLLM
-    verified: one per verify step of its spec-decode counters, and one more at most per turn
-    (the last drafts of a request are never verified)."""
+    verified: one per verify step of its spec-decode counters, and one more at most per request
+    (the last drafts of a request are never verified; a turn is a request per sampled answer)."""
     for row in report["vllm"]:
         counts = row["draft_forwards"]
-        assert row["verify_steps"] <= counts["requests"] <= row["verify_steps"] + report["turns"]
+        requests = report["turns"] * row.get("answers_per_prompt", 1)
+        assert row["verify_steps"] <= counts["requests"] <= row["verify_steps"] + requests
 
 
 def test_vllm_ran_k_chained_draft_forwards_per_verify_step_for_eagle3(trained):
