@@ -27,6 +27,7 @@ from pool_helpers import (
     micro_batches,
     replica_handle,
     replica_status,
+    results_or_errors,
     running_ray,
     synthetic_pool,
     wait_until,
@@ -53,12 +54,7 @@ def mixed_stream(pool_name: str, seed: int) -> list:
     inputs = [random_micro_batch(VOCAB, LARGE, seed=seed * 100 + i) if i % 5 == 4
               else micro_batches(1, seed * 100 + i)[0] for i in range(15)]
     ids = [client.submit(*batch) for batch in inputs]
-    answers = []
-    for micro_batch_id in ids:
-        try:
-            answers.append(client.result(micro_batch_id))
-        except MicroBatchOutOfMemory as e:
-            answers.append(e)
+    answers = results_or_errors(client, ids, MicroBatchOutOfMemory)
     return list(zip(inputs, answers, strict=True))
 
 
