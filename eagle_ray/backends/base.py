@@ -40,6 +40,7 @@ from eagle_ray.contract.aux_layers import (
     validate_eagle3_aux_layer_ids,
     vllm_capture_layer_ids,
 )
+from eagle_ray.contract.images import ImageInputs, validate_images
 from eagle_ray.contract.shift import next_position_mask, shift_captured_rows, shift_supervision
 from eagle_ray.contract.supervision import DraftVocab, draft_target_from_hidden, head_logits
 from eagle_ray.contract.target_batch import (
@@ -80,6 +81,9 @@ class RunnerOutput:
     next_token_ids: torch.Tensor | None = None
     # per row [n_i, N + 1, H]: the N aux layers (ascending), then the final pre-norm state
     rows: list[torch.Tensor] | None = None
+    # [B, S] where a draft's slot t does not sit at position t: a vision-language target's
+    # temporal M-RoPE index (docs/contract.md, "Images"); None: 0 .. S-1
+    positions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         padded = self.aux_hidden_states is not None and self.last_hidden is not None
@@ -160,7 +164,9 @@ class TargetRunner(abc.ABC):
 
     @abc.abstractmethod
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RunnerOutput:
-        """Run one micro-batch through the target engine."""
+        """Run one micro-batch through the target engine. A vision-language runner also takes
+        `images: ImageInputs` (checked against the rows' placeholders first); a text runner is
+        never handed any."""
 
     def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
         """The generated tokens (stop token included, prompt excluded) for each prompt."""
@@ -196,8 +202,14 @@ class RunnerEagle3TargetModel:
         draft_vocab: DraftVocab | None = None,
         max_length: int | None = None,
         self_check: bool = True,
+        image_token_id: int | None = None,
+        spatial_merge_size: int = 1,
     ) -> None:
         self.runner = runner
+        # A vision-language target: the placeholder id its processor expands each image into
+        # (one per merged patch); None: a text target, which refuses images.
+        self.image_token_id = image_token_id
+        self.spatial_merge_size = spatial_merge_size
         self.self_check = self_check
         self.num_hidden_layers = num_hidden_layers
         self.vocab_size = vocab_size
@@ -239,6 +251,7 @@ class RunnerEagle3TargetModel:
         encoding: Encoding | None = None,
         device: torch.device | str | None = None,
         checked: bool = False,
+        images: ImageInputs | None = None,
     ) -> Eagle3TargetBatch:
         """Supervision for one right-padded micro-batch, shifted (docs/contract.md, "Shift").
         `checked`: the caller already ran `validate_micro_batch` on these inputs in this process
@@ -248,28 +261,41 @@ class RunnerEagle3TargetModel:
         back on `device` (default: the engine's, for a co-located trainer; a pool replica asks
         for "cpu", ready for the object store): docs/contract.md, "Where tensors live".
 
+        `images`: a vision-language target's images of these rows (the processor's output,
+        docs/contract.md "Images"), whose placeholder tokens `input_ids` already holds.
+
         It is `finish_batch(run_engine(...))`: a pool replica runs the two halves on two
         threads, so the engine runs the next micro-batch while the host finishes this one.
         """
         encoding = _check_encoding(encoding or self.encoding, self.draft_vocab)
         return self.finish_batch(
-            self.run_engine(input_ids, attention_mask, loss_mask, checked=checked),
+            self.run_engine(input_ids, attention_mask, loss_mask, checked=checked,
+                            images=images),
             encoding=encoding, device=device)
 
     @torch.no_grad()
     def run_engine(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   loss_mask: torch.Tensor | None = None, *, checked: bool = False
-                   ) -> EngineOutput:
+                   loss_mask: torch.Tensor | None = None, *, checked: bool = False,
+                   images: ImageInputs | None = None) -> EngineOutput:
         """The engine's half of `generate_batch`: the input checks (unless `checked`) and the
         runner, nothing else."""
         if loss_mask is None:
             loss_mask = attention_mask
         if not checked:
-            validate_micro_batch(input_ids, attention_mask, loss_mask,
-                                 vocab_size=self.vocab_size, max_length=self.max_length)
-        out = self.runner.run(input_ids, attention_mask)
+            self.validate(input_ids, attention_mask, loss_mask, images)
+        out = (self.runner.run(input_ids, attention_mask) if images is None
+               else self.runner.run(input_ids, attention_mask, images=images))
         out.check_shape(*input_ids.shape)
         return EngineOutput(input_ids, attention_mask, loss_mask, out)
+
+    def validate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 loss_mask: torch.Tensor, images: ImageInputs | None = None) -> None:
+        """Refuse a micro-batch this target cannot serve (ids, masks, length, and its images
+        against the rows' placeholder tokens), saying what is wrong."""
+        validate_micro_batch(input_ids, attention_mask, loss_mask, vocab_size=self.vocab_size,
+                             max_length=self.max_length)
+        validate_images(images, input_ids, attention_mask, image_token_id=self.image_token_id,
+                        spatial_merge_size=self.spatial_merge_size)
 
     @torch.no_grad()
     def finish_batch(self, engine_output: EngineOutput, *, encoding: Encoding | None = None,
@@ -294,6 +320,9 @@ class RunnerEagle3TargetModel:
         if self.self_check and out.next_token_ids is not None:
             check_greedy_tokens(out.next_token_ids, out.final_states(attention_mask), self._head)
         fields = out.shifted(input_ids, attention_mask, loss_mask, empty)
+        if out.positions is not None:  # unshifted, like the attention mask; 0 on padding
+            fields["positions"] = out.positions.to(attention_mask.device).masked_fill(
+                attention_mask == 0, 0)
         last_hidden = fields.pop("last_hidden")
         layers = len(self._aux_layer_ids)
         if encoding == "last_hidden":

@@ -1,8 +1,10 @@
 """The co-located transformers target: the numerical reference for every other backend.
 
 It runs the HF model's decoder stack (not its `lm_head`: the head is applied only when an encoding
-asks for it) and captures the aux layers with forward hooks, so nothing but the aux states
-and the pre-norm last hidden state is kept.
+asks for it) and captures the aux layers with forward pre-hooks, so nothing but the aux states
+and the pre-norm last hidden state is kept. A vision-language model (Qwen2.5-VL, Qwen3-VL) runs
+through its own multimodal model, which puts the vision tower's features at the image
+placeholders and gives the text decoder its M-RoPE positions (docs/contract.md, "Images").
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
 from eagle_ray.backends.base import (
     RunnerEagle3TargetModel,
@@ -21,6 +23,8 @@ from eagle_ray.backends.base import (
     TargetRunner,
 )
 from eagle_ray.contract.aux_layers import resolve_aux_layer_ids
+from eagle_ray.contract.checkpoint import auto_model_class, is_vision_language
+from eagle_ray.contract.images import ImageInputs
 from eagle_ray.contract.supervision import DraftVocab
 from eagle_ray.contract.target_batch import Encoding
 from eagle_ray.contract.target_head import TargetHead
@@ -29,42 +33,72 @@ logger = logging.getLogger(__name__)
 
 
 class HFTargetRunner(TargetRunner):
-    """Runs a transformers causal LM and captures decoder-layer outputs with hooks.
+    """Runs a transformers causal LM (or vision-language model) and captures the residual
+    stream with hooks.
 
-    Works for any decoder that exposes `get_decoder().layers` and `.norm` (Llama, Mistral, Qwen2,
-    Qwen3 and their relatives).
+    Aux id `k` is read as the input of decoder layer `k + 1` (the final norm's for the last
+    layer): the stream the next layer reads, which is the layer's own output except where a
+    model adds to the stream between layers (Qwen3-VL's deepstack features) -- vLLM captures
+    it there too. Works for any decoder that exposes `get_decoder().layers` and `.norm` (Llama,
+    Mistral, Qwen2, Qwen3, their relatives, and the text decoder of Qwen2.5-VL / Qwen3-VL).
     """
 
     def __init__(self, model: PreTrainedModel, aux_layer_ids: Sequence[int]) -> None:
         self.model = model
         self.decoder = model.get_decoder()
         self.aux_layer_ids = list(aux_layer_ids)
+        # The multimodal model (vision tower + text decoder); None for a text-only target.
+        self.multimodal = model.model if is_vision_language(model.config) else None
 
     # no_grad, not inference_mode: a co-located trainer may feed the results to autograd.
     @torch.no_grad()
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RunnerOutput:
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+            images: ImageInputs | None = None) -> RunnerOutput:
         captured: dict[int | str, torch.Tensor] = {}
         layers = self.decoder.layers
 
-        def keep_output(layer_id: int):
-            def hook(_module, _args, output):
-                captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        def keep_input(key: int | str):
+            def hook(_module, args, kwargs):
+                captured[key] = args[0] if args else kwargs["hidden_states"]
             return hook
 
-        def keep_norm_input(_module, args):
-            captured["last_hidden"] = args[0]
-
-        handles = [layers[k].register_forward_hook(keep_output(k)) for k in self.aux_layer_ids]
-        handles.append(self.decoder.norm.register_forward_pre_hook(keep_norm_input))
+        readers = {k: layers[k + 1] if k + 1 < len(layers) else self.decoder.norm
+                   for k in self.aux_layer_ids}
+        handles = [readers[k].register_forward_pre_hook(keep_input(k), with_kwargs=True)
+                   for k in self.aux_layer_ids]
+        handles.append(self.decoder.norm.register_forward_pre_hook(keep_input("last_hidden"),
+                                                                   with_kwargs=True))
         device = next(self.model.parameters()).device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        positions = None
         try:
-            self.decoder(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                         use_cache=False)
+            if images is None:
+                self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            else:
+                positions = self._run_with_images(input_ids, attention_mask, images.to(device))
         finally:
             for handle in handles:
                 handle.remove()
         aux = torch.cat([captured[k] for k in self.aux_layer_ids], dim=-1)
-        return RunnerOutput(aux_hidden_states=aux, last_hidden=captured["last_hidden"])
+        return RunnerOutput(aux_hidden_states=aux, last_hidden=captured["last_hidden"],
+                            positions=positions)
+
+    def _run_with_images(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         images: ImageInputs) -> torch.Tensor:
+        """The multimodal model's forward with explicit M-RoPE positions (its cached rope
+        deltas are never consulted); returns their temporal index `[B, S]`, the positions
+        vLLM's proposer gives a draft without M-RoPE."""
+        if self.multimodal is None:
+            raise ValueError("this micro-batch carries images but the target is text-only")
+        token_types = (input_ids == self.model.config.image_token_id).int()
+        position_ids, _ = self.multimodal.get_rope_index(
+            input_ids, token_types, image_grid_thw=images.image_grid_thw,
+            attention_mask=attention_mask)
+        self.multimodal(input_ids=input_ids, attention_mask=attention_mask,
+                        position_ids=position_ids, pixel_values=images.pixel_values,
+                        image_grid_thw=images.image_grid_thw, mm_token_type_ids=token_types,
+                        use_cache=False)
+        return position_ids[0]
 
 
     @torch.no_grad()
@@ -113,6 +147,7 @@ class HFEagle3TargetModel(RunnerEagle3TargetModel):
         num_layers = config.num_hidden_layers
         aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, num_layers)
         self.model = model
+        vision = is_vision_language(model.config)
         super().__init__(
             HFTargetRunner(model, aux_layer_ids),
             num_hidden_layers=num_layers,
@@ -123,6 +158,8 @@ class HFEagle3TargetModel(RunnerEagle3TargetModel):
             encoding=encoding,
             draft_vocab=draft_vocab,
             max_length=getattr(config, "max_position_embeddings", None),
+            image_token_id=model.config.image_token_id if vision else None,
+            spatial_merge_size=model.config.vision_config.spatial_merge_size if vision else 1,
         )
 
     @classmethod
@@ -138,7 +175,8 @@ class HFEagle3TargetModel(RunnerEagle3TargetModel):
         draft_vocab: DraftVocab | None = None,
         **model_kwargs,
     ) -> HFEagle3TargetModel:
-        """Load a causal LM with `AutoModelForCausalLM.from_pretrained` and wrap it.
+        """Load a causal LM with `AutoModelForCausalLM.from_pretrained` (a vision-language
+        checkpoint with `AutoModelForImageTextToText`) and wrap it.
 
         Args:
             model_path: a local HF checkpoint folder (or a hub id where a hub is reachable).
@@ -154,9 +192,11 @@ class HFEagle3TargetModel(RunnerEagle3TargetModel):
             **model_kwargs: passed to `AutoModelForCausalLM.from_pretrained` untouched.
         """
         logger.info("loading HF target %s (dtype=%s)", model_path, dtype)
-        model = AutoModelForCausalLM.from_pretrained(
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        model = auto_model_class(config).from_pretrained(
             model_path, dtype=dtype or "auto", trust_remote_code=trust_remote_code, **model_kwargs
         )
         if device is not None:
             model = model.to(device)
         return cls(model.eval(), aux_layer_ids, encoding=encoding, draft_vocab=draft_vocab)
+

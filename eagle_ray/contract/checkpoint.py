@@ -15,7 +15,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PretrainedConfig,
+)
 
 from eagle_ray.contract.target_head import TargetHead, head_options
 
@@ -64,8 +69,8 @@ def load_embedding_and_head(
     """The target's input embedding and `TargetHead`, loaded without the decoder layers."""
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                    trust_remote_code=trust_remote_code)
+        skeleton = auto_model_class(config).from_config(config, dtype=dtype,
+                                                        trust_remote_code=trust_remote_code)
     embedding = skeleton.get_input_embeddings()
     norm = skeleton.get_decoder().norm
     lm_head = skeleton.get_output_embeddings()
@@ -77,7 +82,7 @@ def load_embedding_and_head(
         prefix = prefixes[id(module)]
         module.to_empty(device="cpu")
         for name, param in module.named_parameters():
-            full_name = f"{prefix}.{name}"
+            full_name = _stored_name(f"{prefix}.{name}", weight_map)
             if full_name not in weight_map:
                 raise KeyError(f"{full_name} is not in the checkpoint at {model_path}")
             with safe_open(weight_map[full_name], framework="pt") as f:
@@ -89,3 +94,24 @@ def load_embedding_and_head(
     logger.info("loaded embedding %s and head (%s norm, tied=%s) from %s",
                 list(embedding.weight.shape), type(norm).__name__, tied, model_path)
     return embedding, TargetHead(norm, lm_head, **head_options(config))
+
+
+def is_vision_language(config: PretrainedConfig) -> bool:
+    """A target whose checkpoint holds a vision tower and an image placeholder token (the
+    Qwen2-VL family's layout: `vision_config`, `image_token_id`)."""
+    return (getattr(config, "vision_config", None) is not None
+            and getattr(config, "image_token_id", None) is not None)
+
+
+def auto_model_class(config: PretrainedConfig):
+    """The transformers auto class that builds this target: image-text-to-text for a
+    vision-language checkpoint (no causal-LM mapping exists for them), else causal LM."""
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
+def _stored_name(name: str, weight_map: dict[str, Path]) -> str:
+    """`name` as the checkpoint stores it: vision-language checkpoints published before
+    transformers 5 keep the text decoder under `model.` where transformers now names it
+    `model.language_model.` (transformers converts it on load; this reader does the same)."""
+    legacy = name.replace("model.language_model.", "model.", 1)
+    return legacy if name not in weight_map and legacy in weight_map else name

@@ -26,7 +26,10 @@ class Eagle3TargetBatch:
     ascending); `input_ids`, `attention_mask`, `loss_mask [B, S]`; exactly one target encoding:
     `logits [B, S, V]`, `last_hidden [B, S, H]` (pre-norm; apply the `TargetHead`), or
     `target_probs [B, S, V_draft]` with `position_mask [B, S]`. Slots without a next position
-    (padding, each row's last token) hold zeros.
+    (padding, each row's last token) hold zeros. `positions [B, S]` (unshifted, 0 on padding):
+    the position the draft's slot `t` sits at where it is not `t` -- a vision-language target's
+    temporal M-RoPE index, as vLLM's proposer feeds a draft without M-RoPE (docs/contract.md,
+    "Images"); None: `0 .. S-1`.
     """
 
     aux_hidden_states: torch.Tensor
@@ -37,6 +40,7 @@ class Eagle3TargetBatch:
     last_hidden: torch.Tensor | None = None
     target_probs: torch.Tensor | None = None
     position_mask: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
     num_aux_layers: int = dataclasses.field(default=NUM_AUX_LAYERS, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -85,8 +89,10 @@ class Eagle3TargetBatch:
         _require(width % layers == 0 and width > 0, "aux_hidden_states",
                  f"a last dimension of {layers} (num_aux_layers) x the hidden size, got {width}")
         hidden = width // layers
-        for name in ("input_ids", "attention_mask", "loss_mask"):
+        for name in ("input_ids", "attention_mask", "loss_mask", "positions"):
             t = getattr(self, name)
+            if t is None and name == "positions":
+                continue
             _require(t.shape == (batch, seq) and not t.is_floating_point(), name,
                      f"an integer or bool tensor [{batch}, {seq}], got {_describe(t)}")
         encodings = [n for n in ENCODINGS if getattr(self, n) is not None]

@@ -183,7 +183,7 @@ class DFlashDraft(nn.Module):
 
     def objective(self, model: nn.Module, aux_hidden_states: torch.Tensor,
                   input_ids: torch.Tensor, loss_mask: torch.Tensor, target_probs: torch.Tensor,
-                  position_mask: torch.Tensor, depth: int
+                  position_mask: torch.Tensor, depth: int, positions: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block loss over shifted supervision (docs/contract.md, "Shift"), blocks of
         `depth + 1`; per-depth loss and accuracy `[depth]` (detached). `model` is this draft
@@ -193,6 +193,9 @@ class DFlashDraft(nn.Module):
         at position b + 1, vLLM's bonus token) and masks; slot j predicts the token at position
         b + 1 + j, whose target distribution is slot b + j - 1's, supervised where that token
         is an answer token (`loss_mask[b + j]`)."""
+        if positions is not None:  # the job config refuses it first; a library user may not
+            raise ValueError("DFlash drafts train on text targets only: vLLM drafts text-only "
+                             "beside a vision-language target for parallel drafting")
         anchors, kept = sample_anchors(loss_mask, position_mask, self.anchors_per_row)
         block = torch.full((*anchors.shape, depth + 1), self.mask_token_id,
                            dtype=input_ids.dtype, device=input_ids.device)

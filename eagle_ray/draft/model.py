@@ -220,17 +220,21 @@ class Eagle3Draft(nn.Module):
         """A freshly initialised draft of the same kind and shape (an evaluation's baseline)."""
         return Eagle3Draft(self.config, embedding_weight)
 
-    def forward(self, aux_hidden_states: torch.Tensor, step_input_ids: list[torch.Tensor]
-                ) -> list[torch.Tensor]:
+    def forward(self, aux_hidden_states: torch.Tensor, step_input_ids: list[torch.Tensor],
+                positions: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Draft-vocabulary logits `[B, S, V_draft]` for each TTT step, over right-padded rows.
 
         `step_input_ids[k]` `[B, S]` is the token read at step k (`step_inputs`: ground truth in
         training, the previous step's guess when drafting); step 0 reads `fc(aux_hidden_states)`.
         Aux states may come in the engine's dtype (bf16): autocast's `fc` reads them as they are.
+        Slot t sits at `positions[t]` (`[B, S]`; None: t) and step k at `positions[t] + k`,
+        as vLLM's proposer places a draft's query (a vision-language target's temporal M-RoPE
+        index: docs/contract.md, "Images").
         """
         batch, seq = step_input_ids[0].shape
         device = aux_hidden_states.device
-        base = torch.arange(seq, device=device).expand(batch, seq)
+        base = (torch.arange(seq, device=device).expand(batch, seq) if positions is None
+                else positions.to(device))
         if not torch.is_autocast_enabled(device.type):
             aux_hidden_states = aux_hidden_states.to(self.fc.weight.dtype)
         hidden = first = self.fc(aux_hidden_states)  # [B, S, H]
@@ -247,12 +251,13 @@ class Eagle3Draft(nn.Module):
 
     def objective(self, model: nn.Module, aux_hidden_states: torch.Tensor,
                   input_ids: torch.Tensor, loss_mask: torch.Tensor, target_probs: torch.Tensor,
-                  position_mask: torch.Tensor, depth: int
+                  position_mask: torch.Tensor, depth: int, positions: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The TTT loss over `depth` steps reading this kind's `step_inputs` (`ttt_loss`);
-        `model` is this draft or its DDP wrapper (the forward runs through it)."""
+        `model` is this draft or its DDP wrapper (the forward runs through it); `positions`:
+        the supervision's, where slots do not sit at 0 .. S-1."""
         return ttt_loss(model, aux_hidden_states, input_ids, loss_mask, target_probs,
-                        position_mask, depth, self.step_inputs(input_ids, depth))
+                        position_mask, depth, self.step_inputs(input_ids, depth), positions)
 
     def step_inputs(self, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
         return chain_step_inputs(input_ids, steps)  # the tokens each training step reads
@@ -262,14 +267,16 @@ class Eagle3Draft(nn.Module):
         return out
 
     def propose(self, aux_hidden_states: torch.Tensor, seq: list[int], next_token: int, k: int,
-                draft_to_target: torch.Tensor) -> list[int]:
+                draft_to_target: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> list[int]:
         """`k` draft-vocabulary ids drafted greedily after `seq` + `next_token` (aux states of
-        `seq`, `[1, len(seq), N*H]`), as vLLM's EAGLE proposer drafts them: step j reads, at
-        the last slot, the token step j - 1 drafted (one forward per token)."""
+        `seq`, `[1, len(seq), N*H]`; `positions` `[1, len(seq)]` where they are not 0 ..),
+        as vLLM's EAGLE proposer drafts them: step j reads, at the last slot, the token step
+        j - 1 drafted (one forward per token)."""
         step_ids = [torch.tensor([seq[1:] + [next_token]], device=aux_hidden_states.device)]
         drafted: list[int] = []
         for _ in range(k):
-            logits = self(aux_hidden_states.float(), step_ids)[-1][0, -1]
+            logits = self(aux_hidden_states.float(), step_ids, positions)[-1][0, -1]
             drafted.append(int(logits.argmax()))
             step = shift_left(step_ids[-1], 1)
             step[0, -1] = int(draft_to_target[drafted[-1]])
@@ -293,7 +300,8 @@ def chain_step_inputs(input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]
 
 def ttt_loss(draft: nn.Module, aux_hidden_states: torch.Tensor, input_ids: torch.Tensor,
              loss_mask: torch.Tensor, target_probs: torch.Tensor, position_mask: torch.Tensor,
-             ttt_steps: int, step_input_ids: list[torch.Tensor] | None = None
+             ttt_steps: int, step_input_ids: list[torch.Tensor] | None = None,
+             positions: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted TTT loss over shifted supervision (docs/contract.md, "Shift"), plus per-step
     loss and accuracy `[ttt_steps]` (detached, on the loss's device: reading them is the
@@ -305,7 +313,7 @@ def ttt_loss(draft: nn.Module, aux_hidden_states: torch.Tensor, input_ids: torch
     equals the target's argmax within the draft vocabulary.
     """
     steps = step_input_ids or chain_step_inputs(input_ids, ttt_steps)
-    logits = draft(aux_hidden_states, steps)
+    logits = draft(aux_hidden_states, steps, positions)
     total = torch.zeros((), device=aux_hidden_states.device)
     losses, accuracies = [], []
     seq = input_ids.shape[1]

@@ -25,20 +25,28 @@ import itertools
 import math
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
 from eagle_ray.backends.base import RunnerEagle3TargetModel
+from eagle_ray.contract.images import ImageInputs
 from eagle_ray.contract.supervision import DraftVocab
 from eagle_ray.draft.model import Eagle3Draft
 from eagle_ray.evaluation.acceptance import AcceptanceTally
 
 
 def draft_chain(draft: Eagle3Draft, vocab: DraftVocab, aux_hidden_states: torch.Tensor,
-                seq: list[int], next_token: int, k: int) -> list[int]:
+                seq: list[int], next_token: int, k: int,
+                positions: torch.Tensor | None = None) -> list[int]:
     """`k` tokens (target ids) the draft proposes after `seq` + `next_token`, greedily, as vLLM
-    drafts with it (`Eagle3Draft.propose`: a chain, one forward per token; P-EAGLE: one pass)."""
-    proposed = draft.propose(aux_hidden_states, seq, next_token, k, vocab.draft_to_target)
+    drafts with it (`Eagle3Draft.propose`: a chain, one forward per token; P-EAGLE: one pass);
+    `positions` `[1, len(seq)]` where the target's are not 0 .. (an image prompt's)."""
+    if positions is None:
+        proposed = draft.propose(aux_hidden_states, seq, next_token, k, vocab.draft_to_target)
+    else:
+        proposed = draft.propose(aux_hidden_states, seq, next_token, k, vocab.draft_to_target,
+                                 positions=positions)
     return [int(vocab.draft_to_target[i]) for i in proposed]
 
 
@@ -48,12 +56,23 @@ def target_states(target: RunnerEagle3TargetModel, ids: list[int]
     `[1, S, H]` at every position of `ids`, on the target's device, from either layout a runner
     returns: padded tensors (HF), or a captured row (vLLM: `[S, N + 1, H]`, copied out of the
     hand-off, whose ring the next call reuses)."""
+    aux, last_hidden, _ = row_states(target, ids)
+    return aux, last_hidden
+
+
+def row_states(target: RunnerEagle3TargetModel, ids: list[int],
+               images: ImageInputs | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`target_states` of one row with its `images` (a vision-language target's), and the
+    positions the draft sits at there (`[1, S]`; None: 0 .. S-1)."""
     tensor = torch.tensor([ids])
-    out = target.runner.run(tensor, torch.ones_like(tensor))
+    ones = torch.ones_like(tensor)
+    out = (target.runner.run(tensor, ones) if images is None
+           else target.runner.run(tensor, ones, images=images))
     if out.rows is None:
-        return out.aux_hidden_states, out.last_hidden
+        return out.aux_hidden_states, out.last_hidden, out.positions
     row = out.rows[0].to(target.device, copy=True)
-    return row[None, :, :-1].flatten(2), row[None, :, -1]
+    return row[None, :, :-1].flatten(2), row[None, :, -1], out.positions
 
 
 @torch.inference_mode()
@@ -84,21 +103,24 @@ def _synchronize(device: torch.device) -> None:
 
 @torch.inference_mode()
 def simulate_acceptance(target: RunnerEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,
-                        prompts: list[list[int]], continuations: list[list[int]], k: int
+                        prompts: list[list[int]], continuations: list[list[int]], k: int,
+                        images: Sequence[ImageInputs | None] | None = None
                         ) -> tuple[float, list[float]]:
     """Greedy: mean acceptance length over each prompt's greedy continuation (up to its
-    end-of-turn token, as vLLM stops there), and the share accepted per draft position."""
+    end-of-turn token, as vLLM stops there), and the share accepted per draft position;
+    `images`: each prompt's, for a vision-language target."""
     head = target.get_target_head()
     tally = AcceptanceTally.empty(k)
-    for prompt, continuation in zip(prompts, continuations, strict=True):
+    for prompt, continuation, image in zip(prompts, continuations,
+                                           images or [None] * len(prompts), strict=True):
         seq, produced = list(prompt), 0
         while produced < len(continuation):
-            aux, last_hidden = target_states(target, seq)
+            aux, last_hidden, positions = row_states(target, seq, image)
             next_token = int(head(last_hidden[0, -1]).argmax())
             truth = continuation[produced + 1: produced + 1 + k]
             if not truth:  # the answer ends with this token: no draft left to verify
                 break
-            drafted = draft_chain(draft, vocab, aux, seq, next_token, k)
+            drafted = draft_chain(draft, vocab, aux, seq, next_token, k, positions)
             accepted = 0
             while accepted < len(truth) and drafted[accepted] == truth[accepted]:
                 accepted += 1

@@ -30,6 +30,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from eagle_ray.backends.base import Sampling
 from eagle_ray.config.pool import ClientConfig
+from eagle_ray.contract.images import ImageInputs
 from eagle_ray.contract.target_batch import (
     Eagle3TargetBatch,
     validate_micro_batch,
@@ -60,7 +61,9 @@ from eagle_ray.pool.transport import pack_inputs
 
 logger = logging.getLogger(__name__)
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# input_ids, attention_mask, loss_mask [B, S], and a vision-language micro-batch's images
+MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, ImageInputs]
 
 
 class PoolClient:
@@ -110,23 +113,30 @@ class PoolClient:
     # ------------------------------------------------------------------ public API
 
     def submit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               loss_mask: torch.Tensor | None = None) -> int:
-        """Queue one micro-batch; returns its id. Bad input raises here, before it travels."""
-        micro_batch_id = self._queue(input_ids, attention_mask, loss_mask)
+               loss_mask: torch.Tensor | None = None, images: ImageInputs | None = None) -> int:
+        """Queue one micro-batch (with a vision-language target's `images` of its rows);
+        returns its id. Bad input raises here, before it travels."""
+        micro_batch_id = self._queue(input_ids, attention_mask, loss_mask, images)
         self._ask_for_leases()
         return micro_batch_id
 
     def _queue(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               loss_mask: torch.Tensor | None) -> int:
+               loss_mask: torch.Tensor | None, images: ImageInputs | None = None) -> int:
         """`submit` without asking the router yet (`stream` asks for a window at once)."""
         self._raise_fatal()
         if loss_mask is None:
             loss_mask = attention_mask
         validate_micro_batch(input_ids, attention_mask, loss_mask, vocab_size=self.vocab_size,
                              max_length=self.max_length)
-        num_tokens = int(attention_mask.sum())
+        if images is not None and images.rows != input_ids.shape[0]:
+            raise ValueError(f"images_per_row has {images.rows} rows but input_ids has "
+                             f"{input_ids.shape[0]}")
+        num_tokens = int(attention_mask.sum())  # image tokens included: their placeholders
         self._wait_for_room(num_tokens)
-        return self._enqueue(pack_inputs(input_ids, attention_mask, loss_mask), num_tokens)
+        image_tensors = () if images is None else (
+            images.pixel_values, images.image_grid_thw, images.images_per_row)
+        return self._enqueue(pack_inputs(input_ids, attention_mask, loss_mask, *image_tensors),
+                             num_tokens)
 
     def _enqueue(self, inputs: Any, num_tokens: int, **how: Any) -> int:
         micro_batch_id = next(self._ids)
@@ -180,9 +190,10 @@ class PoolClient:
         return item.result
 
     def stream(self, micro_batches: Iterable[MicroBatch]) -> Iterator[Eagle3TargetBatch]:
-        """Supervision for each `(input_ids, attention_mask, loss_mask)`, in order, keeping up
-        to the in-flight window submitted ahead (target latency overlaps the caller's work).
-        While the next result is already there, refills wait to go together (`Window.ahead`)."""
+        """Supervision for each `(input_ids, attention_mask, loss_mask[, images])`, in order,
+        keeping up to the in-flight window submitted ahead (target latency overlaps the
+        caller's work). While the next result is already there, refills wait to go together
+        (`Window.ahead`)."""
         source = iter(micro_batches)
         upcoming = next(source, None)  # the next micro-batch, submitted once the window has room
         ready = None  # a result taken out of the window, handed over once the window is refilled

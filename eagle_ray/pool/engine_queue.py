@@ -35,11 +35,14 @@ from typing import Any
 
 import torch
 
+from eagle_ray.contract.images import ImageInputs
 from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.pool.failures import FailureKind, classify, free_memory
 from eagle_ray.pool.protocol import EngineStats, MicroBatchOutOfMemory
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids, attention, loss [B, S]
+# input_ids, attention, loss [B, S], and a vision-language micro-batch's images
+MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, ImageInputs]
 
 
 @dataclasses.dataclass
@@ -177,7 +180,7 @@ class EngineQueue:
         alone, first in line, so only the one too large fails; a lone one fails with
         `MicroBatchOutOfMemory` (its size, what to change)."""
         if len(jobs) == 1:
-            ids, attention, _ = jobs[0].micro_batch
+            ids, attention = jobs[0].micro_batch[:2]
             self._fail(jobs, MicroBatchOutOfMemory.of(error, *ids.shape, int(attention.sum())))
             return
         with self._wake:
@@ -244,12 +247,16 @@ class EngineQueue:
 
 
 def merge_micro_batches(parts: list[MicroBatch]) -> MicroBatch:
-    """Right-pad every part to the longest and stack their rows (one part: itself)."""
+    """Right-pad every part to the longest and stack their rows (one part: itself); a part's
+    images (a fourth element, `ImageInputs`) follow its rows."""
     if len(parts) == 1:
         return parts[0]
     seq = max(p[0].shape[1] for p in parts)
-    return tuple(torch.cat([torch.nn.functional.pad(p[i], (0, seq - p[i].shape[1]))
-                            for p in parts]) for i in range(3))
+    merged = tuple(torch.cat([torch.nn.functional.pad(p[i], (0, seq - p[i].shape[1]))
+                              for p in parts]) for i in range(3))
+    images = ImageInputs.concat([p[3] if len(p) > 3 else None for p in parts],
+                                [p[0].shape[0] for p in parts])
+    return merged if images is None else (*merged, images)
 
 
 def split_batch(batch: Eagle3TargetBatch, parts: list[MicroBatch]) -> list[Eagle3TargetBatch]:
@@ -257,8 +264,8 @@ def split_batch(batch: Eagle3TargetBatch, parts: list[MicroBatch]) -> list[Eagle
     if len(parts) == 1:
         return [batch]
     out, row = [], 0
-    for ids, _, _ in parts:
-        rows, seq = ids.shape
+    for part in parts:
+        rows, seq = part[0].shape
         out.append(batch.with_tensors(**{name: t[row:row + rows, :seq]
                                          for name, t in batch.tensors().items()}))
         row += rows

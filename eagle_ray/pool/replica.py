@@ -24,11 +24,8 @@ from eagle_ray.backends.base import Sampling
 from eagle_ray.config.pool import PoolConfig
 from eagle_ray.contract.finite import nonfinite_fields
 from eagle_ray.contract.identity import TargetIdentity
-from eagle_ray.contract.target_batch import (
-    Eagle3TargetBatch,
-    validate_micro_batch,
-    validate_prompts,
-)
+from eagle_ray.contract.images import ImageInputs
+from eagle_ray.contract.target_batch import Eagle3TargetBatch, validate_prompts
 from eagle_ray.pool.engine_queue import EngineQueue, MicroBatch
 from eagle_ray.pool.failures import (
     DEATHS_WHILE_STARTING,
@@ -56,16 +53,22 @@ def _node_object_store_bytes() -> int:
     return 0
 
 
-def micro_batch_tensors(inputs: Any) -> list[torch.Tensor]:
-    """`(input_ids, attention_mask, loss_mask)` arrays as tensors; anything else is bad input."""
-    if not isinstance(inputs, tuple | list) or len(inputs) != 3:
+def micro_batch_tensors(inputs: Any) -> MicroBatch:
+    """`(input_ids, attention_mask, loss_mask)` arrays as tensors, and a vision-language
+    micro-batch's images from three more (`pixel_values, image_grid_thw, images_per_row`);
+    anything else is bad input."""
+    if not isinstance(inputs, tuple | list) or len(inputs) not in (3, 6):
         raise TypeError(f"a micro-batch is three arrays (input_ids, attention_mask, loss_mask), "
-                        f"got {type(inputs).__name__} {str(inputs)[:80]}")
+                        f"and three more with images, got {type(inputs).__name__} "
+                        f"{str(inputs)[:80]}")
     try:
-        return [torch.tensor(a) for a in inputs]  # a copy: store arrays are read-only
+        tensors = [torch.tensor(a) for a in inputs]  # a copy: store arrays are read-only
     except Exception as e:  # object arrays, strings, ragged lists
         raise TypeError(f"micro-batch arrays must be numeric, got "
                         f"{[type(a).__name__ for a in inputs]}: {e}") from e
+    if len(tensors) == 3:
+        return tuple(tensors)
+    return (*tensors[:3], ImageInputs(*tensors[3:]))
 
 
 def encode_answer(batch: Eagle3TargetBatch, encoding_dtype: str, micro_batch: MicroBatch
@@ -79,7 +82,7 @@ def encode_answer(batch: Eagle3TargetBatch, encoding_dtype: str, micro_batch: Mi
         if classify(e) is not FailureKind.OUT_OF_MEMORY:
             raise
         free_memory(e)
-        ids, attention, _ = micro_batch
+        ids, attention = micro_batch[:2]
         return MicroBatchOutOfMemory.of(e, *ids.shape, int(attention.sum()))
 
 
@@ -144,7 +147,9 @@ class TargetReplica:
         where = None if config.encoding_dtype == "fp8" else "cpu"
         # Each micro-batch is checked once on arrival (`generate_many`), before it is merged.
         self.engine = EngineQueue(
-            lambda micro_batch: self.backend.run_engine(*micro_batch, checked=True),
+            lambda micro_batch: self.backend.run_engine(
+                *micro_batch[:3], checked=True,
+                images=micro_batch[3] if len(micro_batch) > 3 else None),
             lambda engine_output: self.backend.finish_batch(engine_output, device=where),
             self._serve, config.max_tokens_per_engine_call, name=f"engine-{index}",
             pipelined=config.replica_pipeline, recover=self._recover_from_out_of_memory)
@@ -196,10 +201,9 @@ class TargetReplica:
         checked: dict[int, tuple[torch.Tensor, ...]] = {}
         for index, arrays in enumerate(inputs):
             try:
-                tensors = micro_batch_tensors(arrays)
-                validate_micro_batch(*tensors, vocab_size=self.backend.vocab_size,
-                                     max_length=self.backend.max_length)
-                checked[index] = tuple(tensors)
+                micro_batch = micro_batch_tensors(arrays)
+                self.backend.validate(*micro_batch)
+                checked[index] = micro_batch
             except (TypeError, ValueError) as e:
                 answers[index] = e
         for index, answer in zip(checked, self.engine.generate_many(list(checked.values())),
