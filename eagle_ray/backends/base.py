@@ -40,7 +40,7 @@ from eagle_ray.contract.aux_layers import (
     validate_eagle3_aux_layer_ids,
     vllm_capture_layer_ids,
 )
-from eagle_ray.contract.images import ImageInputs, validate_images
+from eagle_ray.contract.images import ImageInputs, ImageTokens, validate_images
 from eagle_ray.contract.shift import next_position_mask, shift_captured_rows, shift_supervision
 from eagle_ray.contract.supervision import DraftVocab, draft_target_from_hidden, head_logits
 from eagle_ray.contract.target_batch import (
@@ -202,14 +202,12 @@ class RunnerEagle3TargetModel:
         draft_vocab: DraftVocab | None = None,
         max_length: int | None = None,
         self_check: bool = True,
-        image_token_id: int | None = None,
-        spatial_merge_size: int = 1,
+        vision: ImageTokens | None = None,
     ) -> None:
         self.runner = runner
-        # A vision-language target: the placeholder id its processor expands each image into
-        # (one per merged patch); None: a text target, which refuses images.
-        self.image_token_id = image_token_id
-        self.spatial_merge_size = spatial_merge_size
+        # A vision-language target: how its processor expands an image into placeholder
+        # tokens; None: a text target, which refuses images.
+        self.vision = vision
         self.self_check = self_check
         self.num_hidden_layers = num_hidden_layers
         self.vocab_size = vocab_size
@@ -294,8 +292,7 @@ class RunnerEagle3TargetModel:
         against the rows' placeholder tokens), saying what is wrong."""
         validate_micro_batch(input_ids, attention_mask, loss_mask, vocab_size=self.vocab_size,
                              max_length=self.max_length)
-        validate_images(images, input_ids, attention_mask, image_token_id=self.image_token_id,
-                        spatial_merge_size=self.spatial_merge_size)
+        validate_images(images, input_ids, attention_mask, self.vision)
 
     @torch.no_grad()
     def finish_batch(self, engine_output: EngineOutput, *, encoding: Encoding | None = None,

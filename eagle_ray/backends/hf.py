@@ -24,7 +24,7 @@ from eagle_ray.backends.base import (
 )
 from eagle_ray.contract.aux_layers import resolve_aux_layer_ids
 from eagle_ray.contract.checkpoint import auto_model_class, is_vision_language
-from eagle_ray.contract.images import ImageInputs
+from eagle_ray.contract.images import ImageInputs, ImageTokens, check_processor_sizes
 from eagle_ray.contract.supervision import DraftVocab
 from eagle_ray.contract.target_batch import Encoding
 from eagle_ray.contract.target_head import TargetHead
@@ -43,12 +43,15 @@ class HFTargetRunner(TargetRunner):
     Mistral, Qwen2, Qwen3, their relatives, and the text decoder of Qwen2.5-VL / Qwen3-VL).
     """
 
-    def __init__(self, model: PreTrainedModel, aux_layer_ids: Sequence[int]) -> None:
+    def __init__(self, model: PreTrainedModel, aux_layer_ids: Sequence[int],
+                 image_processor=None) -> None:
         self.model = model
         self.decoder = model.get_decoder()
         self.aux_layer_ids = list(aux_layer_ids)
-        # The multimodal model (vision tower + text decoder); None for a text-only target.
+        # The multimodal model (vision tower + text decoder) and what turns an image into its
+        # input; None for a text-only target.
         self.multimodal = model.model if is_vision_language(model.config) else None
+        self.image_processor = image_processor
 
     # no_grad, not inference_mode: a co-located trainer may feed the results to autograd.
     @torch.no_grad()
@@ -90,14 +93,17 @@ class HFTargetRunner(TargetRunner):
         vLLM's proposer gives a draft without M-RoPE."""
         if self.multimodal is None:
             raise ValueError("this micro-batch carries images but the target is text-only")
+        # The images arrive at the size the processor resizes them to: its resize is the
+        # identity here, and it normalises and cuts them into patches.
+        features = self.image_processor(images=images.arrays(), return_tensors="pt")
+        grid = features["image_grid_thw"].to(input_ids.device)
+        pixel_values = features["pixel_values"].to(input_ids.device, self.model.dtype)
         token_types = (input_ids == self.model.config.image_token_id).int()
         position_ids, _ = self.multimodal.get_rope_index(
-            input_ids, token_types, image_grid_thw=images.image_grid_thw,
-            attention_mask=attention_mask)
+            input_ids, token_types, image_grid_thw=grid, attention_mask=attention_mask)
         self.multimodal(input_ids=input_ids, attention_mask=attention_mask,
-                        position_ids=position_ids, pixel_values=images.pixel_values,
-                        image_grid_thw=images.image_grid_thw, mm_token_type_ids=token_types,
-                        use_cache=False)
+                        position_ids=position_ids, pixel_values=pixel_values,
+                        image_grid_thw=grid, mm_token_type_ids=token_types, use_cache=False)
         return position_ids[0]
 
 
@@ -142,14 +148,17 @@ class HFEagle3TargetModel(RunnerEagle3TargetModel):
     """
 
     def __init__(self, model: PreTrainedModel, aux_layer_ids: Sequence[int] | None = None,
-                 encoding: Encoding = "last_hidden", draft_vocab: DraftVocab | None = None) -> None:
+                 encoding: Encoding = "last_hidden", draft_vocab: DraftVocab | None = None,
+                 image_processor=None) -> None:
         config = model.config.get_text_config()
         num_layers = config.num_hidden_layers
         aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, num_layers)
         self.model = model
-        vision = is_vision_language(model.config)
+        vision = image_tokens(model.config)
+        if vision is not None and image_processor is None:
+            image_processor = default_image_processor(model.config)
         super().__init__(
-            HFTargetRunner(model, aux_layer_ids),
+            HFTargetRunner(model, aux_layer_ids, image_processor),
             num_hidden_layers=num_layers,
             vocab_size=config.vocab_size,
             aux_layer_ids=aux_layer_ids,
@@ -158,9 +167,15 @@ class HFEagle3TargetModel(RunnerEagle3TargetModel):
             encoding=encoding,
             draft_vocab=draft_vocab,
             max_length=getattr(config, "max_position_embeddings", None),
-            image_token_id=model.config.image_token_id if vision else None,
-            spatial_merge_size=model.config.vision_config.spatial_merge_size if vision else 1,
+            vision=vision,
         )
+
+    def validate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 loss_mask: torch.Tensor, images: ImageInputs | None = None) -> None:
+        """The base checks, and images at the size this target's processor takes them."""
+        super().validate(input_ids, attention_mask, loss_mask, images)
+        if self.vision is not None:
+            check_processor_sizes(images, self.runner.image_processor)
 
     @classmethod
     def from_pretrained(
@@ -198,5 +213,36 @@ class HFEagle3TargetModel(RunnerEagle3TargetModel):
         )
         if device is not None:
             model = model.to(device)
-        return cls(model.eval(), aux_layer_ids, encoding=encoding, draft_vocab=draft_vocab)
+        image_processor = None
+        if is_vision_language(config):
+            from transformers import AutoImageProcessor
 
+            image_processor = AutoImageProcessor.from_pretrained(
+                model_path, trust_remote_code=trust_remote_code)
+        return cls(model.eval(), aux_layer_ids, encoding=encoding, draft_vocab=draft_vocab,
+                   image_processor=image_processor)
+
+
+def image_tokens(config) -> ImageTokens | None:
+    """How a vision-language checkpoint expands an image into placeholder tokens; None for a
+    text-only one."""
+    if not is_vision_language(config):
+        return None
+    vision = config.vision_config
+    return ImageTokens(config.image_token_id, vision.patch_size, vision.spatial_merge_size)
+
+
+def default_image_processor(config):
+    """Qwen2-VL's PIL image processor sized by the vision config (its default normalisation),
+    for a model built without its checkpoint's processor; it resizes nothing a pipeline already
+    resized to a multiple of patch x merge."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    vision = config.vision_config
+    side = vision.patch_size * vision.spatial_merge_size
+    return Qwen2VLImageProcessorPil(patch_size=vision.patch_size,
+                                    merge_size=vision.spatial_merge_size,
+                                    temporal_patch_size=vision.temporal_patch_size,
+                                    min_pixels=side * side, max_pixels=2**40)

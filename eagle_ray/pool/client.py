@@ -134,7 +134,7 @@ class PoolClient:
         num_tokens = int(attention_mask.sum())  # image tokens included: their placeholders
         self._wait_for_room(num_tokens)
         image_tensors = () if images is None else (
-            images.pixel_values, images.image_grid_thw, images.images_per_row)
+            images.pixels, images.image_sizes, images.images_per_row)
         return self._enqueue(pack_inputs(input_ids, attention_mask, loss_mask, *image_tensors),
                              num_tokens)
 

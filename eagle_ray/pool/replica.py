@@ -55,7 +55,7 @@ def _node_object_store_bytes() -> int:
 
 def micro_batch_tensors(inputs: Any) -> MicroBatch:
     """`(input_ids, attention_mask, loss_mask)` arrays as tensors, and a vision-language
-    micro-batch's images from three more (`pixel_values, image_grid_thw, images_per_row`);
+    micro-batch's images from three more (`pixels, image_sizes, images_per_row`);
     anything else is bad input."""
     if not isinstance(inputs, tuple | list) or len(inputs) not in (3, 6):
         raise TypeError(f"a micro-batch is three arrays (input_ids, attention_mask, loss_mask), "
