@@ -87,13 +87,15 @@ def is_json_array(path: str | Path) -> bool:
     return char == "["
 
 
-def conversation_messages(sample: Any, where: str) -> list[dict[str, str]]:
-    """A sample in either accepted shape as `[{"role", "content"}, ...]`."""
+def conversation_messages(sample: Any, where: str) -> list[dict[str, Any]]:
+    """A sample in either accepted shape as `[{"role", "content"}, ...]`: `content` a string,
+    or (image-text chats, as Hugging Face processors take them) a list of `{"type": "text",
+    "text"}` and `{"type": "image", "image"}` items."""
     if isinstance(sample, dict) and isinstance(sample.get("messages"), list):
         messages = sample["messages"]
-        if all(isinstance(m, dict) and isinstance(m.get("role"), str)
-               and isinstance(m.get("content"), str) for m in messages):
-            return [{"role": m["role"], "content": m["content"]} for m in messages]
+        if all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            return [{"role": m["role"], "content": content_items(m.get("content"), where)}
+                    for m in messages]
         raise ChatFormatError(f"{where}: every entry of 'messages' needs a string 'role' and "
                               f"'content'")
     if isinstance(sample, dict) and isinstance(sample.get("conversations"), list):
@@ -112,9 +114,45 @@ def conversation_messages(sample: Any, where: str) -> list[dict[str, str]]:
         f"{{\"conversations\": [{{\"from\", \"value\"}}, ...]}}, got {keys}")
 
 
-def conversation_key(messages: list[dict[str, str]]) -> str:
-    """A content hash that identifies a conversation (e.g. to keep held-out ones out)."""
-    return hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()
+def content_items(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: a string as it is, or a list of text / image items with the fields
+    each needs (Arrow gives every item every field, None where unset: those are dropped, or a
+    template's `'image' in item` would see an image in every text item). OpenAI's
+    `{"type": "image_url", "image_url": {"url"}}` becomes an image item."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list | tuple):
+        raise ChatFormatError(f"{where}: every entry of 'messages' needs a string 'role' and "
+                              f"'content' (a string or a list of text and image items)")
+    items = []
+    for item in content:
+        item = {k: v for k, v in item.items() if v is not None} if isinstance(item, dict) else {}
+        if item.get("type") == "image_url" or (not item.get("type") and "image_url" in item):
+            url = item.get("image_url")
+            item = {"type": "image", "image": url.get("url") if isinstance(url, dict) else url}
+        kind = item.get("type") or ("image" if "image" in item else "text")
+        if kind == "text" and isinstance(item.get("text"), str):
+            items.append({**item, "type": "text"})
+        elif kind == "image" and item.get("image") is not None:
+            items.append({**item, "type": "image"})
+        else:
+            raise ChatFormatError(f"{where}: content item {item!r:.80} is neither "
+                                  f"{{\"type\": \"text\", \"text\"}} nor "
+                                  f"{{\"type\": \"image\", \"image\"}}")
+    return items
+
+
+def conversation_key(messages: list[dict[str, Any]]) -> str:
+    """A content hash that identifies a conversation (e.g. to keep held-out ones out); image
+    bytes count by their own hash."""
+    return hashlib.sha1(json.dumps(messages, sort_keys=True, default=_bytes_key).encode()
+                        ).hexdigest()
+
+
+def _bytes_key(value: Any) -> str:
+    if isinstance(value, bytes | bytearray):
+        return hashlib.sha1(value).hexdigest()
+    raise TypeError(f"{type(value).__name__} in a conversation")
 
 
 def has_generation_markers(tokenizer) -> bool:
@@ -169,14 +207,15 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]], text: str
     return spans
 
 
-def mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """1 on tokens overlapping a span, and on the first token starting at or after its end (the
-    end-of-turn token); 0 elsewhere."""
+def mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]],
+                    end_token: bool = True) -> list[int]:
+    """1 on tokens overlapping a span, and (`end_token`) on the first token starting at or after
+    its end (the end-of-turn token); 0 elsewhere."""
     mask = [0] * len(offsets)
     for start, end in spans:
         for t, (token_start, token_end) in enumerate(offsets):
             if token_start >= end:  # the end-of-turn token
-                mask[t] = 1
+                mask[t] = int(end_token) or mask[t]
                 break
             if token_end > start:
                 mask[t] = 1

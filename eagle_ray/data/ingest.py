@@ -11,6 +11,10 @@ Small inputs (`data.tokenize_in_driver_mb`) are tokenised by the same stage in t
 
 Held-out evaluation conversations are the first `eval_samples` of the dataset (deterministic),
 removed from training by content.
+
+A vision-language target's data (an image processor beside its tokenizer) goes through the same
+stage with its processor (`tokenize_image_row`), images decoded on the stage's actors: each row
+then has `IMAGE_COLUMNS` too (empty for a text row); a text-only target's rows have neither.
 """
 
 from __future__ import annotations
@@ -35,8 +39,14 @@ from eagle_ray.contract.identity import TargetIdentity
 from eagle_ray.contract.supervision import DraftVocab
 from eagle_ray.data.chat import conversation_key, conversation_messages, is_json_array
 from eagle_ray.data.draft_vocab import load_or_build_draft_vocab
+from eagle_ray.data.images import has_image_processor, image_root, load_vision_processor
 from eagle_ray.data.micro_batches import micro_batches_per_epoch
-from eagle_ray.data.tokenize import STATUSES, TRAINED, tokenize_row
+from eagle_ray.data.tokenize import (
+    TRAINED,
+    job_statuses,
+    tokenize_image_row,
+    tokenize_row,
+)
 from eagle_ray.pool.client import PoolClient
 
 logger = logging.getLogger(__name__)
@@ -53,6 +63,10 @@ BYTES_PER_TOKEN = 16
 # per token once tokenised, plus each row's key): known small data is tokenised once.
 TOKENIZED_BYTES_PER_INPUT_BYTE = 8
 TOKENIZE_BATCH_ROWS = 64
+# Image rows carry their RGB bytes (2.3 KB per image token at Qwen2.5-VL's 28-pixel merged
+# patch): smaller blocks keep the stage's memory bounded.
+IMAGE_TOKENIZE_BATCH_ROWS = 8
+IMAGE_COLUMNS = ("pixels", "image_sizes")  # `ImageInputs`' layout, per row
 
 
 def read_chats(paths: str | list[str] | None, num_samples: int, cpus_per_task: float):
@@ -74,7 +88,16 @@ def read_chats(paths: str | list[str] | None, num_samples: int, cpus_per_task: f
         datasets.append(ray.data.read_json(arrays, num_cpus=cpus_per_task))
     if parquet:
         datasets.append(ray.data.read_parquet(parquet, num_cpus=cpus_per_task))
-    return datasets[0] if len(datasets) == 1 else datasets[0].union(*datasets[1:])
+    if len(datasets) == 1:
+        return datasets[0]
+    # JSONL reads into pandas blocks, Parquet into Arrow ones; a batch must not mix the two.
+    return datasets[0].union(*datasets[1:]).map_batches(
+        _same, batch_format="pyarrow", batch_size=None, zero_copy_batch=True,
+        num_cpus=cpus_per_task)
+
+
+def _same(batch):
+    return batch
 
 
 def _is_parquet(path: str) -> bool:
@@ -86,21 +109,34 @@ def _is_parquet(path: str) -> bool:
 
 class TokenizeChats:
     """The `map_batches` stage: `eagle_ray.data.tokenize_row` for each conversation; every row
-    comes out with its `status`, `key`, `input_ids`, `loss_mask` and `length`."""
+    comes out with its `status`, `key`, `input_ids`, `loss_mask` and `length`, and for a
+    vision-language target its images' `pixels` and `image_sizes` (`IMAGE_COLUMNS`; image paths
+    relative to `image_root`)."""
 
-    def __init__(self, tokenizer_at: str, max_length: int, vocab_size: int, overlong: str
-                 ) -> None:
+    def __init__(self, tokenizer_at: str, max_length: int, vocab_size: int, overlong: str,
+                 image_root: str | None = None) -> None:
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_at)
+        self.vision = load_vision_processor(tokenizer_at)
+        self.tokenizer = (self.vision.tokenizer if self.vision is not None
+                          else AutoTokenizer.from_pretrained(tokenizer_at))
         self.max_length, self.vocab_size, self.overlong = max_length, vocab_size, overlong
+        self.image_root = image_root
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        columns = {"status": [], "key": [], "input_ids": [], "loss_mask": [], "length": []}
+        names = ("status", "key", "input_ids", "loss_mask", "length")
+        columns = {name: [] for name in names + (IMAGE_COLUMNS if self.vision else ())}
         for i in range(len(next(iter(batch.values())))):
             messages = row_messages({c: batch[c][i] for c in CHAT_COLUMNS if c in batch})
-            status, ids, mask = tokenize_row(self.tokenizer, messages, self.max_length,
-                                             self.vocab_size, self.overlong, "a dataset row")
+            if self.vision is None:
+                status, ids, mask = tokenize_row(self.tokenizer, messages, self.max_length,
+                                                 self.vocab_size, self.overlong, "a dataset row")
+            else:
+                status, ids, mask, pixels, sizes = tokenize_image_row(
+                    self.vision, messages, self.max_length, self.vocab_size, self.overlong,
+                    "a dataset row", self.image_root)
+                columns["pixels"].append(pixels)
+                columns["image_sizes"].append(sizes)
             for name, value in (("status", status), ("key", conversation_key(messages)),
                                 ("input_ids", np.asarray(ids, dtype=np.int64)),
                                 ("loss_mask", np.asarray(mask, dtype=np.int64)),
@@ -109,22 +145,24 @@ class TokenizeChats:
         return {name: _column(values) for name, values in columns.items()}
 
 
-def row_messages(columns: dict[str, Any]) -> list[dict[str, str]]:
+def row_messages(columns: dict[str, Any]) -> list[dict[str, Any]]:
     """A dataset row's conversation, whichever of the two shapes it has."""
     return conversation_messages({c: _plain(v) for c, v in columns.items() if _present(v)},
                                  "a dataset row")
 
 
 def tokenized(dataset, tokenizer_at: str, max_length: int, vocab_size: int, overlong: str,
-              cpus_per_task: float, workers: int = 1):
+              cpus_per_task: float, workers: int = 1, image_root: str | None = None):
     """`dataset` with the tokenisation stage added (lazy: nothing runs until it is read), on
-    `workers` actors."""
+    `workers` actors (where a vision-language target's images are decoded)."""
+    images = has_image_processor(tokenizer_at)
     return dataset.map_batches(
-        TokenizeChats, batch_size=TOKENIZE_BATCH_ROWS,
+        TokenizeChats, batch_size=IMAGE_TOKENIZE_BATCH_ROWS if images else TOKENIZE_BATCH_ROWS,
         compute=ray.data.ActorPoolStrategy(size=workers),
         num_cpus=cpus_per_task,
         fn_constructor_kwargs={"tokenizer_at": tokenizer_at, "max_length": max_length,
-                               "vocab_size": vocab_size, "overlong": overlong})
+                               "vocab_size": vocab_size, "overlong": overlong,
+                               "image_root": image_root})
 
 
 def tokenized_in_driver(dataset, stage: TokenizeChats):
@@ -138,7 +176,7 @@ def tokenized_in_driver(dataset, stage: TokenizeChats):
         for batch in dataset.iter_batches(batch_size=TOKENIZE_BATCH_ROWS, batch_format="numpy")])
 
 
-def held_out(dataset, count: int) -> list[list[dict[str, str]]]:
+def held_out(dataset, count: int) -> list[list[dict[str, Any]]]:
     """The first `count` conversations of `dataset`, in its order (deterministic)."""
     if count <= 0:
         return []
@@ -154,24 +192,32 @@ def training_rows(tokenized_dataset, held_out_keys: Iterable[str], cpus_per_task
         num_cpus=cpus_per_task)
 
 
-def count_answers(tokenized_dataset, held_out_keys: Iterable[str], vocab_size: int
-                  ) -> tuple[np.ndarray, collections.Counter, int]:
+def count_answers(tokenized_dataset, held_out_keys: Iterable[str], vocab_size: int,
+                  images: bool = False) -> tuple[np.ndarray, collections.Counter, int]:
     """One streaming pass on the driver: answer-token counts over the training rows (for the
-    draft vocabulary), what happened to every conversation (`STATUSES`) and the training rows'
-    tokens."""
+    draft vocabulary), what happened to every conversation (`ALL_STATUSES`) and the training
+    rows' tokens. `images`: the rows have `IMAGE_COLUMNS`; the pass reads their sizes (never
+    their pixels) and counts the training rows' `training_images` and their bytes
+    (`training_image_bytes`) among the statuses."""
     excluded = frozenset(held_out_keys)
     counts = np.zeros(vocab_size, dtype=np.int64)
     statuses: collections.Counter = collections.Counter()
     tokens = 0
-    for batch in tokenized_dataset.iter_batches(batch_size=256, batch_format="numpy"):
-        for status, key, ids, mask in zip(batch["status"], batch["key"], batch["input_ids"],
-                                          batch["loss_mask"], strict=True):
+    names = ["status", "key", "input_ids", "loss_mask"] + (["image_sizes"] if images else [])
+    rows = tokenized_dataset.select_columns(names) if images else tokenized_dataset
+    for batch in rows.iter_batches(batch_size=256, batch_format="numpy"):
+        sizes = batch["image_sizes"] if images else [None] * len(batch["status"])
+        for status, key, ids, mask, size in zip(batch["status"], batch["key"], batch["input_ids"],
+                                                batch["loss_mask"], sizes, strict=True):
             if key in excluded:
                 continue
             statuses[str(status)] += 1
             if status in TRAINED:
                 counts += np.bincount(ids[mask == 1], minlength=vocab_size)
                 tokens += len(ids)
+                if size is not None:
+                    statuses["training_images"] += len(size)
+                    statuses["training_image_bytes"] += 3 * int(np.prod(size, axis=1).sum())
     return counts, statuses, tokens
 
 
@@ -233,11 +279,15 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, tokenizer_at: st
     max_length = min(data.max_length, served.max_length or data.max_length)
     stage = (tokenizer_at, max_length, served.vocab_size, data.overlong)
     budget = CACHE_SHARE * _object_store_bytes()  # bytes the kept rows may take
-    if _fits_the_driver(input_bytes, data):
+    # Images are decoded on the stage's actors, never here; their pixels are not in input_bytes.
+    vision = has_image_processor(tokenizer_at)
+    if _fits_the_driver(input_bytes, data) and not vision:
         rows, keep = tokenized_in_driver(source, TokenizeChats(*stage)), True
     else:
-        rows = tokenized(source, *stage, data.cpus_per_task, data.tokenize_workers)
-        keep = input_bytes is not None and input_bytes * TOKENIZED_BYTES_PER_INPUT_BYTE < budget
+        rows = tokenized(source, *stage, data.cpus_per_task, data.tokenize_workers,
+                         image_root=image_root(data.path))
+        keep = not vision and input_bytes is not None \
+            and input_bytes * TOKENIZED_BYTES_PER_INPUT_BYTE < budget
         if keep:
             # One tokenising execution serves the counting pass and every epoch (each execution
             # starts its readers and tokenising actors: ~15 s on a 2-core machine).
@@ -248,23 +298,25 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, tokenizer_at: st
                     "regenerated": regenerated["file"] if regenerated else None}
 
     def count() -> tuple[torch.Tensor, dict[str, int]]:
-        counts, statuses, tokens = count_answers(rows, held_keys, served.vocab_size)
-        return torch.from_numpy(counts), {**{s: statuses[s] for s in STATUSES},
-                                          "training_tokens": tokens}
+        counts, statuses, tokens = count_answers(rows, held_keys, served.vocab_size, vision)
+        return torch.from_numpy(counts), job_statuses(statuses, tokens, vision)
 
     vocab, statuses = load_or_build_draft_vocab(output_dir / "draft_vocab.json", cache_source,
                                                 count, served.vocab_size, data.draft_vocab_size)
     logger.info("data: %s (max_length %d); %d held out", statuses, max_length, len(held))
     train = training_rows(rows, held_keys, data.cpus_per_task)
-    if keep or statuses["training_tokens"] * BYTES_PER_TOKEN < budget:
+    train_bytes = statuses["training_tokens"] * BYTES_PER_TOKEN + (
+        statuses.get("training_image_bytes", 0) if vision else 0)
+    if keep or train_bytes < budget:
         # Small enough to keep: later epochs then neither re-read nor re-tokenise (a new
         # execution per epoch starts a tokenising actor and leaves the trainers waiting).
         logger.info("keeping the tokenised training rows in the object store (%.1f MiB)",
-                    statuses["training_tokens"] * BYTES_PER_TOKEN / 2**20)
+                    train_bytes / 2**20)
         train = train.materialize()
     per_epoch = None
     if config.train.epochs is not None:  # one more pass, over the rows' lengths only
-        lengths = [int(n) for batch in train.iter_batches(batch_size=4096, batch_format="numpy")
+        lengths = [int(n) for batch in (train.select_columns(["length"]) if vision else train
+                                        ).iter_batches(batch_size=4096, batch_format="numpy")
                    for n in batch["length"]]
         per_epoch = micro_batches_per_epoch(lengths, data.max_tokens_per_micro_batch,
                                             data.micro_batch_size, data.shuffle_window,

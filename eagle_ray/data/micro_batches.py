@@ -1,5 +1,10 @@
 """Token rows -> right-padded micro-batches: packed by a token budget from a window of rows of
-like length (what training reads), or fixed-size (the baseline the benchmarks compare with)."""
+like length (what training reads), or fixed-size (the baseline the benchmarks compare with).
+
+A row is `(ids, loss_mask)`, or with images `(ids, loss_mask, pixels, image_sizes)` (its images'
+RGB bytes and sizes, `eagle_ray.data.tokenize.tokenize_image_row`); a micro-batch holding any
+image is a 4-tuple
+ending in its `ImageInputs`, every other one the 3-tuple a text job has always had."""
 
 from __future__ import annotations
 
@@ -7,38 +12,62 @@ import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from eagle_ray.contract.images import ImageInputs
 from eagle_ray.data.tokenize import Row
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, attention, loss [B, S]
+# ids, attention, loss [B, S]; and the images, when any row has one
+MicroBatch = (tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+              | tuple[torch.Tensor, torch.Tensor, torch.Tensor, ImageInputs])
 
 
-def collate(rows: Iterable[Row], pad_id: int = 0) -> MicroBatch:
-    """Right-pad `(ids, loss_mask)` rows into `input_ids, attention_mask, loss_mask [B, S]`."""
+def collate(rows: Iterable[Row | tuple], pad_id: int = 0) -> MicroBatch:
+    """Right-pad `(ids, loss_mask)` rows into `input_ids, attention_mask, loss_mask [B, S]`,
+    and the images of `(ids, loss_mask, pixels, image_sizes)` rows, if any, into a fourth
+    `ImageInputs` (rows in order; text rows hold 0 images)."""
     rows = list(rows)
     if not rows:
         raise ValueError("cannot collate an empty list of rows")
-    seq = max(len(ids) for ids, _ in rows)
+    seq = max(len(row[0]) for row in rows)
     input_ids = torch.full((len(rows), seq), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), seq), dtype=torch.long)
     loss_mask = torch.zeros((len(rows), seq), dtype=torch.long)
-    for i, (ids, mask) in enumerate(rows):
+    for i, (ids, mask, *_) in enumerate(rows):
         input_ids[i, : len(ids)] = torch.tensor(ids)
         attention_mask[i, : len(ids)] = 1
         loss_mask[i, : len(ids)] = torch.tensor(mask)
-    return input_ids, attention_mask, loss_mask
+    images = collate_images(rows)
+    if images is None:
+        return input_ids, attention_mask, loss_mask
+    return input_ids, attention_mask, loss_mask, images
 
 
-def token_budget_micro_batches(rows: Iterable[Row], max_tokens: int, max_rows: int,
+def collate_images(rows: list) -> ImageInputs | None:
+    """The images of `rows` as one `ImageInputs`; None where no row has any."""
+    with_images = [row for row in rows if len(row) == 4 and len(row[3])]
+    if not with_images:
+        return None
+    pixels = np.concatenate([np.asarray(row[2], dtype=np.uint8).reshape(-1)
+                             for row in with_images])
+    sizes = np.concatenate([np.asarray(row[3], dtype=np.int64).reshape(-1, 2)
+                            for row in with_images])
+    return ImageInputs(torch.from_numpy(pixels), torch.from_numpy(sizes),
+                       torch.tensor([len(row[3]) if len(row) == 4 else 0 for row in rows],
+                                    dtype=torch.long))
+
+
+def token_budget_micro_batches(rows: Iterable[Row | tuple], max_tokens: int, max_rows: int,
                                window: int = 256, pad_id: int = 0, seed: int = 0
                                ) -> Iterator[MicroBatch]:
     """Right-padded micro-batches of at most `max_tokens` slots (rows x longest row) and
     `max_rows` rows, formed from a window of `window` streamed rows sorted by length, so rows of
     like length share a micro-batch and padding stays small; the window's micro-batches come out
-    in a seeded random order. A row longer than `max_tokens` forms a micro-batch alone."""
+    in a seeded random order. A row longer than `max_tokens` forms a micro-batch alone. Image
+    rows count their placeholder tokens (the images' share of the sequence) like any token."""
     rng = random.Random(seed)
-    buffer: list[Row] = []
+    buffer: list = []
     for row in rows:
         buffer.append(row)
         if len(buffer) == window:
@@ -48,7 +77,7 @@ def token_budget_micro_batches(rows: Iterable[Row], max_tokens: int, max_rows: i
         yield from _pack(buffer, max_tokens, max_rows, pad_id, rng)
 
 
-def _pack(rows: list[Row], max_tokens: int, max_rows: int, pad_id: int,
+def _pack(rows: list, max_tokens: int, max_rows: int, pad_id: int,
           rng: random.Random) -> Iterator[MicroBatch]:
     groups = _group(rows, max_tokens, max_rows, lambda row: len(row[0]))
     rng.shuffle(groups)
@@ -89,8 +118,8 @@ def padding_share(micro_batch: MicroBatch) -> float:
     return 1.0 - float(attention.sum()) / max(attention.numel(), 1)
 
 
-def make_micro_batches(rows: list[Row], micro_batch_size: int, pad_id: int = 0, seed: int = 0
-                       ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def make_micro_batches(rows: list[Row | tuple], micro_batch_size: int, pad_id: int = 0,
+                       seed: int = 0) -> list[MicroBatch]:
     """Shuffle (seeded) and group rows into fixed-size right-padded micro-batches: the batching
     the job used before token budgets, kept as the baseline `bench ingest` and the tests compare
     `token_budget_micro_batches` with."""

@@ -355,13 +355,16 @@ def shard_micro_batches(shard, job: JobConfig, pad_id: int, rank: int
 
 
 def epoch_micro_batches(dataset, data: DataConfig, pad_id: int, seed: int
-                        ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                        ) -> Iterator[tuple[torch.Tensor, ...]]:
     """One pass over `dataset`'s rows (a Ray Dataset or shard) as token-budget micro-batches,
-    rows shuffled locally and packed with `seed`."""
-    rows = ((ids, mask) for batch in dataset.iter_batches(
+    rows shuffled locally and packed with `seed`. A vision-language target's rows carry
+    `pixels` and `image_sizes`: a micro-batch with images ends in its `ImageInputs`."""
+    rows = (row for batch in dataset.iter_batches(
                 batch_size=data.shuffle_window, batch_format="numpy",
                 local_shuffle_buffer_size=data.shuffle_window, local_shuffle_seed=seed)
-            for ids, mask in zip(batch["input_ids"], batch["loss_mask"], strict=True))
+            for row in zip(batch["input_ids"], batch["loss_mask"],
+                           *[batch[c] for c in ("pixels", "image_sizes") if c in batch],
+                           strict=True))
     yield from token_budget_micro_batches(rows, data.max_tokens_per_micro_batch,
                                           data.micro_batch_size, data.shuffle_window, pad_id,
                                           seed)
