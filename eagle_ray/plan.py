@@ -27,9 +27,13 @@ from eagle_ray.backends.engines import ENGINES
 from eagle_ray.backends.sizing import (
     engine_reserves,
     gpu_engine_kwargs,
+    image_lines,
     kv_cache_bytes_per_token,
+    parameter_counts,
     reserve_assumptions,
     sized_pool_config,
+    vision_plan,
+    vision_reserves,
 )
 from eagle_ray.config import JobConfig, PoolConfig
 from eagle_ray.contract.supervision import DraftVocab, draft_target
@@ -144,11 +148,14 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float | None = None,
     trainer = trainer_memory(draft_config, rows, seq, job.train.ttt_steps, target_dtype, bf16,
                              ddp=job.train.workers > 1, kind=job.draft.kind,
                              anchors_per_row=job.draft.anchors_per_row)
-    parameters, active_parameters = parameter_counts(target_config)
+    counts = parameter_counts(target_config)
+    # A vision-language target: its tower, the images vLLM's profile run encodes, and the image
+    # tokens of a row (`backends.sizing.vision_plan`); None for a text-only one.
+    vision = vision_plan(job, target_config, counts, seq, gpu_memory_gib, mfu * gpu_tflops)
     # The vLLM backend captures the final hidden state beside the aux layers
     # (`vllm_capture_layer_ids`).
-    replica, kv_per_token = replica_memory(target_config, parameters, target_dtype,
-                                           job.target, gpu_memory_gib, aux_layers + 1)
+    replica, kv_per_token = replica_memory(target_config, counts["language"], target_dtype,
+                                           job.target, gpu_memory_gib, aux_layers + 1, vision)
     hidden = text.hidden_size
     if job.target.encoding_dtype == "fp8":
         per_token = (aux_layers + 1) * hidden + 4 * (aux_layers + 1)
@@ -157,10 +164,11 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float | None = None,
     flops = mfu * gpu_tflops * 1e12
     draft_trainable = sum(p.numel() for p in _meta_draft(draft_config, job.draft.kind)
                           .parameters() if p.requires_grad)
-    # Prefill: 2 FLOPs per parameter a token passes through (a mixture of experts' active ones).
-    # Training: 6 per trainable draft parameter per draft pass of a token, plus the target
-    # head's decoding (2 x H x V).
-    replica_rate = flops * job.target.tp_size / (2 * active_parameters)
+    # Prefill: 2 FLOPs per parameter a token passes through (a mixture of experts' active ones;
+    # an image token also its share of the vision tower's). Training: 6 per trainable draft
+    # parameter per draft pass of a token, plus the target head's decoding (2 x H x V).
+    replica_rate = flops * job.target.tp_size / (2 * counts["active"] + (
+        vision["flops_per_token"] if vision else 0))
     trainer_rate = flops / (6 * draft_trainable * draft_passes_per_token(job, seq)
                             + 2 * hidden * text.vocab_size)
     scaling = job.target.autoscaling
@@ -177,6 +185,8 @@ def plan_job(job: JobConfig, target_config, gpu_memory_gib: float | None = None,
                              "trainer_precision": "bf16" if bf16 else "fp32",
                              "cuda_context_gib": CUDA_CONTEXT_BYTES / GIB,
                              **reserve_assumptions(job.target, gpu_memory_gib),
+                             **({"vision": vision, "max_length": job.data.max_length}
+                                if vision else {}),
                              "rates_from": "FLOPs estimates (no GPU measurement yet: "
                                            "`eagle-ray bench gpu` measures them)"})
 
@@ -248,13 +258,22 @@ def check_replica_fits(plan: Plan, max_model_len: int) -> None:
             f"{plan.replica['cuda_graphs'] / GIB:.1f} GiB, assumed; "
             f"{plan.kv_cache_bytes_per_token['total'] / 2**10:.0f} KiB per token): raise "
             f"target.tp_size or target.vllm_kwargs.gpu_memory_utilization, lower "
-            f"data.max_length or target.vllm_kwargs.max_num_batched_tokens, or set "
-            f"target.vllm_kwargs.enforce_eager")
+            f"data.max_length or target.vllm_kwargs.max_num_batched_tokens"
+            f"{_vision_advice(plan)}, or set target.vllm_kwargs.enforce_eager")
     if total > gpu:
         raise ValueError(
             f"a replica needs {total:.1f} GiB per GPU (gpu_memory_utilization's share plus the "
             f"{plan.replica['target_head'] / GIB:.1f} GiB target head) on {where}: lower "
             f"target.vllm_kwargs.gpu_memory_utilization")
+
+
+def _vision_advice(plan: Plan) -> str:
+    """What check_replica_fits adds for a vision-language target's replica."""
+    if "vision_weights" not in plan.replica:
+        return ""
+    return (f" (the vision tower takes {plan.replica['vision_weights'] / GIB:.1f} GiB and its "
+            f"encoder {plan.replica['vision_encoder'] / GIB:.1f} GiB, assumed) or "
+            f"target.vllm_kwargs.mm_processor_kwargs.max_pixels")
 
 
 def trainer_memory(config: DraftConfig, rows: int, seq: int, ttt_steps: int,
@@ -293,16 +312,23 @@ def trainer_memory(config: DraftConfig, rows: int, seq: int, ttt_steps: int,
 
 
 def replica_memory(target_config, parameters: int, dtype: torch.dtype, pool: PoolConfig,
-                   gpu_memory_gib: float, captured_states: int
+                   gpu_memory_gib: float, captured_states: int,
+                   vision: dict[str, Any] | None = None
                    ) -> tuple[dict[str, int], dict[str, int]]:
-    """Bytes per tensor-parallel rank of a replica holding `parameters`, and its KV cache's
-    bytes per token: vLLM takes `gpu_memory_utilization` of the GPU and gives the cache what the
-    weights, a CUDA context and its own reserves (assumed) leave."""
+    """Bytes per tensor-parallel rank of a replica holding `parameters` (a vision-language
+    target's language model; `vision`: its tower and images, `sizing.vision_plan`), and its KV
+    cache's bytes per token: vLLM takes `gpu_memory_utilization` of the GPU and gives the cache
+    what the weights, a CUDA context and its own reserves (assumed) leave."""
     text = target_config.get_text_config()
     engine_kwargs = gpu_engine_kwargs(pool)
     budget = int(float(engine_kwargs["gpu_memory_utilization"]) * gpu_memory_gib * GIB)
     weights = parameters * dtype.itemsize // pool.tp_size
     reserves = engine_reserves(engine_kwargs, gpu_memory_gib)
+    if vision:
+        reserves = {"vision_weights": vision["parameters"] * dtype.itemsize
+                    // (pool.tp_size if vision["sharded"] else 1), **reserves,
+                    **vision_reserves(target_config, vision, dtype.itemsize,
+                                      reserves["activations"])}
     kv_cache = max(budget - weights - CUDA_CONTEXT_BYTES - sum(reserves.values()), 0)
     # eagle_ray's target head (final norm + lm_head, whole on the first rank's GPU), loaded
     # after vLLM sized its cache: outside gpu_memory_utilization.
@@ -335,26 +361,6 @@ def _meta_draft(config: DraftConfig, kind: str = "eagle3", anchors_per_row: int 
         return build_draft(kind, config, mask_token_id=0, anchors_per_row=anchors_per_row)
 
 
-def parameter_counts(target_config) -> tuple[int, int]:
-    """(every parameter: what a replica holds, the parameters one token passes through), from
-    one skeleton on the meta device: a mixture of experts' routed experts count
-    `num_experts_per_tok` of their number in the second (shared experts and routers in full)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(target_config)
-    text = target_config.get_text_config()
-    experts = next((getattr(text, name) for name in ("num_experts", "num_local_experts",
-                                                     "n_routed_experts")
-                    if getattr(text, name, None)), None)
-    share = text.num_experts_per_tok / experts if experts else 1.0
-    total, active = 0, 0.0
-    for name, p in model.named_parameters():
-        total += p.numel()
-        active += p.numel() * (share if ".experts." in name else 1.0)
-    return total, int(active)
-
-
 def _dtype(name: str, text_config) -> torch.dtype:
     from eagle_ray.contract.checkpoint import resolve_dtype
 
@@ -376,6 +382,7 @@ def format_plan(plan: Plan) -> str:
               f"(target's KV {kv['attention']:.0f}, captured states {kv['captured_states']:.0f})",
               f"  assumed: activations ({a['max_num_batched_tokens']:,} batched tokens x "
               f"{a['activation_kib_per_batched_token']} KiB) and CUDA graphs (not measured yet)",
+              *(image_lines(a["vision"], a["max_length"]) if "vision" in a else ()),
               f"supervision: {plan.supervision_bytes_per_token:,} bytes per token, "
               f"{plan.supervision_bytes_per_token * plan.replica_tokens_per_s / 2**20:,.0f} "
               f"MiB/s per replica",

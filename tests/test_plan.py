@@ -10,7 +10,11 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from eagle_ray.backends.sizing import ACTIVATION_BYTES_PER_BATCHED_TOKEN, CUDA_GRAPH_POOL_BYTES
+from eagle_ray.backends.sizing import (
+    ACTIVATION_BYTES_PER_BATCHED_TOKEN,
+    CUDA_GRAPH_POOL_BYTES,
+    parameter_counts,
+)
 from eagle_ray.cli import main
 from eagle_ray.config import JobConfig, load_yaml
 from eagle_ray.contract.aux_layers import resolve_aux_layer_ids, vllm_capture_layer_ids
@@ -19,12 +23,15 @@ from eagle_ray.contract.target_head import TargetHead
 from eagle_ray.draft.kinds import build_draft
 from eagle_ray.draft.model import DraftConfig
 from eagle_ray.plan import (
+    DEFAULT_GPU_TFLOPS,
+    DEFAULT_MFU,
     GIB,
     TRAINER_SHARE,
     check_job_fits,
     check_replica_fits,
     check_trainer_fits,
     check_worker_memory,
+    format_plan,
     gpu_memory,
     plan_job,
     trainer_memory,
@@ -36,7 +43,8 @@ RECIPES = {"llama3.1-8b": "llama-3.1-8b-instruct", "qwen3-8b": "qwen3-8b",
            "llama3.1-8b-smoke": "llama-3.1-8b-instruct",
            "llama3.1-8b-colocated": "llama-3.1-8b-instruct", "qwen3-30b-a3b": "qwen3-30b-a3b",
            "llama3.1-8b-peagle": "llama-3.1-8b-instruct",
-           "llama3.1-8b-dflash": "llama-3.1-8b-instruct"}
+           "llama3.1-8b-dflash": "llama-3.1-8b-instruct",
+           "qwen2.5-vl-7b": "qwen2.5-vl-7b-instruct"}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -83,7 +91,8 @@ def test_every_shipped_gpu_recipe_fits_an_80_gib_gpu(recipe):
 
     assert plan.kv_cache_tokens >= sized_pool_config(job).vllm_kwargs["max_model_len"] \
         > job.data.max_length
-    hidden = AutoConfig.from_pretrained(f"examples/targets/{RECIPES[recipe]}").hidden_size
+    hidden = AutoConfig.from_pretrained(f"examples/targets/{RECIPES[recipe]}"
+                                        ).get_text_config().hidden_size
     layers = len(job.target.aux_layer_ids or (1, 2, 3))
     assert plan.supervision_bytes_per_token == (layers + 1) * hidden * 2  # NH + H in bf16
 
@@ -271,7 +280,8 @@ def test_a_replicas_kv_cache_is_what_vllms_allocator_makes_of_it(recipe, target,
     assert tokens <= plan.kv_cache_tokens < tokens + VLLM_BLOCK
     # The control: the plan's figure before, the target's K and V alone divided by TP,
     # overstates the cache.
-    kv_only = 2 * layers * text.num_key_value_heads * text.head_dim * 2 // tp
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_only = 2 * layers * text.num_key_value_heads * head_dim * 2 // tp
     assert plan.replica["kv_cache"] // kv_only >= tokens + VLLM_BLOCK
 
 
@@ -338,3 +348,136 @@ def test_the_recipe_table_in_training_md_is_the_plans():
                    f"{plan.replica['total'] / GIB:.0f} GiB ({plan.kv_cache_tokens / 1000:.0f}k)",
                    f"{plan.trainers_per_replica:.1f}"]
         assert [cell.strip() for cell in cells.split("|")] == planned, recipe
+
+
+VL_TARGET = "examples/targets/qwen2.5-vl-7b-instruct"
+
+
+def vl_job(*overrides: str) -> JobConfig:
+    return load_yaml(JobConfig, "examples/qwen2.5-vl-7b.yaml", list(overrides))
+
+
+@pytest.fixture(scope="module")
+def vl_model() -> torch.nn.Module:
+    """Qwen2.5-VL-7B-Instruct as transformers builds it, on the meta device."""
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(VL_TARGET))
+
+
+def test_the_vl_target_reads_as_the_published_checkpoint(vl_model):
+    """The config is written flat, as the published one is; transformers 5 nests its text
+    fields under text_config. 8.29B parameters, the published count."""
+    config = AutoConfig.from_pretrained(VL_TARGET)
+    text, vision = config.get_text_config(), config.vision_config
+    assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads,
+            text.num_key_value_heads, text.intermediate_size, text.vocab_size,
+            text.max_position_embeddings) == (3584, 28, 28, 4, 18944, 152064, 128000)
+    assert text.rope_parameters["mrope_section"] == [16, 24, 24] and text.dtype == torch.bfloat16
+    assert (vision.depth, vision.hidden_size, vision.intermediate_size, vision.num_heads,
+            vision.out_hidden_size, vision.patch_size, vision.spatial_merge_size,
+            vision.fullatt_block_indexes) == (32, 1280, 3420, 16, 3584, 14, 2, [7, 15, 23, 31])
+    assert (config.image_token_id, config.tie_word_embeddings) == (151655, False)
+    assert sum(p.numel() for p in vl_model.parameters()) == pytest.approx(8.29e9, rel=1e-3)
+
+
+def test_a_vl_replica_holds_its_vision_tower_beside_the_language_model(vl_model):
+    """The tower's weights (counted from the config) are transformers' tower's, in every
+    replica; vLLM splits them across TP ranks as it splits the language model's, and not in
+    its `mm_encoder_tp_mode: data`. They and the encoder's reserve come out of the KV cache."""
+    visual = vl_model.model.visual
+    tower = sum(p.numel() for p in visual.parameters())
+    merger = sum(p.numel() for p in visual.merger.parameters())
+    config = AutoConfig.from_pretrained(VL_TARGET)
+    counts = parameter_counts(config)
+    assert counts["vision"] == tower == 676_550_144
+    assert counts["language"] == counts["active"] == sum(
+        p.numel() for p in vl_model.parameters()) - tower
+    # 2 FLOPs per tower parameter per patch, 4 patches per image token; the merger once.
+    assert counts["vision_flops_per_image_token"] == 2 * (4 * (tower - merger) + merger)
+    plan = plan_job(vl_job(), config, gpu_memory_gib=80)
+    assert plan.replica["vision_weights"] == tower * 2
+    assert plan.replica["weights"] == counts["language"] * 2
+    rank = ("weights", "vision_weights", "activations", "cuda_graphs", "vision_encoder",
+            "cuda_context")
+    assert plan.replica["kv_cache"] == int(0.85 * 80 * GIB) - sum(plan.replica[k] for k in rank)
+    split = plan_job(vl_job("target.tp_size=2"), config, gpu_memory_gib=80)
+    assert split.replica["vision_weights"] == tower * 2 // 2
+    whole = plan_job(vl_job("target.tp_size=2", "target.vllm_kwargs.mm_encoder_tp_mode=data"),
+                     config, gpu_memory_gib=80)
+    assert whole.replica["vision_weights"] == tower * 2
+    assert "tower split by TP" in format_plan(split) and "whole on every rank" in \
+        format_plan(whole)
+    text_only = plan_job(load_yaml(JobConfig, "examples/qwen3-8b.yaml", []),
+                         AutoConfig.from_pretrained("examples/targets/qwen3-8b"))
+    assert "vision_weights" not in text_only.replica and "vision" not in text_only.assumptions
+
+
+def test_the_encoders_reserve_is_for_the_images_vllms_profile_run_encodes():
+    """The largest image's tokens are the processor's (transformers' own, on the size vLLM
+    profiles with), the profile run encodes as many as vLLM's encoder budget holds, and a video
+    is profiled unless the recipe turns it off."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+    from vllm.config import SchedulerConfig
+    from vllm.v1.core.encoder_cache_manager import compute_mm_encoder_budget
+
+    config = AutoConfig.from_pretrained(VL_TARGET)
+    processor = AutoImageProcessor.from_pretrained(VL_TARGET)
+    cases = {(): (1003520, 1120, 896), ("target.vllm_kwargs.mm_processor_kwargs={}",):
+             (12845056, 3584, 3584)}  # the recipe's cap; the preprocessor_config.json's
+    for overrides, (pixels, width, height) in cases.items():
+        v = plan_job(vl_job(*overrides), config, gpu_memory_gib=80).assumptions["vision"]
+        grid = processor(images=Image.new("RGB", (width, height)), max_pixels=pixels,
+                         return_tensors="pt")["image_grid_thw"]
+        assert v["max_pixels"] == pixels and v["image_tokens"] == int(grid.prod()) // 4
+        budget, _ = compute_mm_encoder_budget(SchedulerConfig(
+            max_num_batched_tokens=16384, max_model_len=4097, is_encoder_decoder=False),
+            {"image": v["image_tokens"]})
+        assert v["profiled_items"] == budget // v["image_tokens"]
+    assert (v["profiled_items"], v["profiled_item_tokens"]) == (1, 16384)
+    v = plan_job(vl_job("target.vllm_kwargs.limit_mm_per_prompt={image: 1}"), config,
+                 gpu_memory_gib=80).assumptions["vision"]
+    # A video of 1,280-token frames, two per temporal patch: 3 grids fit 4,097 tokens.
+    assert (v["profiled_item"], v["profiled_item_tokens"], v["profiled_items"]) == \
+        ("video", 3 * 1280, 4)
+
+
+def test_image_tokens_cost_a_replica_the_towers_flops_and_fill_the_routers_caps():
+    """A row's image tokens (the recipe: one image of at most 1,280 of 4,096 tokens) cost the
+    tower's FLOPs beside the language model's, so a replica serves fewer tokens per second and
+    the router's cap holds more seconds of its work; more images per row, more so. vLLM's
+    memory does not change with them (its profile run is sized by its budget)."""
+    config = AutoConfig.from_pretrained(VL_TARGET)
+    counts = parameter_counts(config)
+    flops = DEFAULT_MFU * DEFAULT_GPU_TFLOPS * 1e12
+    one = plan_job(vl_job(), config, gpu_memory_gib=80)
+    v = one.assumptions["vision"]
+    assert (v["image_tokens_per_row"], v["images_per_row_from"]) == (1280, "limit_mm_per_prompt")
+    assert one.replica_tokens_per_s == pytest.approx(
+        flops / (2 * counts["active"] + 1280 / 4096 * counts["vision_flops_per_image_token"]))
+    # 31 % of the tokens at 1.34x a text token's FLOPs: 10 % fewer tokens/s than text alone.
+    assert v["image_token_cost"] == pytest.approx(1.34, abs=0.005)
+    assert one.replica_tokens_per_s / (flops / (2 * counts["active"])) == pytest.approx(
+        0.90, abs=0.01)
+    assert v["micro_batch_image_tokens"] == 2 * 1280  # data.micro_batch_size rows
+    assert v["outstanding_s"] == pytest.approx(65536 / one.replica_tokens_per_s)
+    two = plan_job(vl_job("target.vllm_kwargs.limit_mm_per_prompt={image: 2, video: 0}"),
+                   config, gpu_memory_gib=80)
+    w = two.assumptions["vision"]
+    assert (w["image_tokens_per_row"], w["micro_batch_image_tokens"]) == (2560, 2 * 2560)
+    assert two.replica_tokens_per_s < one.replica_tokens_per_s
+    assert w["outstanding_s"] > v["outstanding_s"]
+    assert two.replica == one.replica
+    assert "up to 2,560 image tokens a row" in format_plan(two)
+
+
+def test_an_image_longer_than_a_row_is_named_with_the_key_to_set():
+    """The processor's own cap (16,384 tokens) cannot fit a 4,096-token row; the recipe's can."""
+    config = AutoConfig.from_pretrained(VL_TARGET)
+    default = plan_job(vl_job("target.vllm_kwargs.mm_processor_kwargs={}"), config,
+                       gpu_memory_gib=80)
+    assert re.search(r"WARNING: the largest image \(16,384 tokens.*max_pixels below 3,211,264",
+                     format_plan(default))
+    assert "WARNING" not in format_plan(plan_job(vl_job(), config, gpu_memory_gib=80))
