@@ -1,4 +1,4 @@
-"""`eagle_ray.tiny_vl`: the tiny vision-language targets load with transformers' Auto classes
+"""`eagle_ray.tiny.vision`: the tiny vision-language targets load with transformers' Auto classes
 (processor included, without torchvision), their processor expands each image into one
 placeholder per merged patch and masks the answers, the corpus's answers are read off its
 pictures, and the pre-trained target's greedy answers follow the image it is shown."""
@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from eagle_ray.contract.aux_layers import default_eagle3_aux_layer_ids
 from eagle_ray.data.chat import has_generation_markers, stop_token_ids
-from eagle_ray.tiny_vl import (
+from eagle_ray.tiny.vision import (
     COLOURS,
     KINDS,
     VISION_TOKENS,

@@ -21,13 +21,18 @@ if TYPE_CHECKING:
 
 
 def resolve_model_path(config: PoolConfig) -> str | None:
-    """The checkpoint a replica serves: the configured one, the built-in tiny Llama (pre-trained
-    on the kit's chat corpus) when none is configured, nothing for a factory backend."""
+    """The checkpoint a replica serves: the configured one, the built-in tiny target
+    (`builtin_target`, pre-trained on the kit's generated chats) when none is configured,
+    nothing for a factory backend."""
     if config.model_path is not None or config.backend not in ENGINES:
         return config.model_path
-    from eagle_ray.tiny import tiny_target
+    if config.builtin_target == "llama":
+        from eagle_ray.tiny import tiny_target
 
-    return str(tiny_target("llama", pretrained=True))
+        return str(tiny_target("llama", pretrained=True))
+    from eagle_ray.tiny.vision import tiny_vl_target
+
+    return str(tiny_vl_target(config.builtin_target, pretrained=True))
 
 
 def build_backend(config: PoolConfig, object_store_bytes: int = 0) -> RunnerEagle3TargetModel:

@@ -250,6 +250,18 @@ class JobConfig:
         if draft.loss_decay_gamma is not None and draft.loss_decay_gamma <= 0:
             raise ConfigError(f"draft.loss_decay_gamma must be > 0 (or null), got "
                               f"{draft.loss_decay_gamma}")
+        if self.target.takes_images and draft.kind != "eagle3":
+            raise ConfigError(
+                f"draft.kind={draft.kind!r} with a vision-language target: vLLM drafts "
+                f"text-only for parallel drafts beside one (it feeds them no image positions), "
+                f"so a draft trained on image supervision would be served on other inputs; "
+                f"train draft.kind: eagle3 for this target")
+        if self.target.takes_images and self.eval.enabled and (
+                self.eval.vllm or any(t != 0 for t in self.eval.temperatures)):
+            raise ConfigError(
+                "a vision-language target's draft is measured greedily on the pool's backend "
+                "(eagle_ray.evaluation.images): set eval.vllm: false and eval.temperatures: "
+                "[0.0]")
         if train.steps is None and train.epochs is None:
             train.steps = DEFAULT_STEPS
         if self.regenerate.max_new_tokens is None:

@@ -7,6 +7,8 @@ Unknown keys and wrong types are errors (`eagle_ray.config.loader`).
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any, Literal
 
 from eagle_ray.config.loader import ConfigError, nested_from_dicts
@@ -47,8 +49,13 @@ class PoolConfig:
     """What `TargetPool` builds (`target.*` of a job)."""
 
     model_path: str | None = None
-    """Target checkpoint folder (HF format, safetensors); None: the tiny built-in Llama
-    target (`eagle_ray.tiny`)."""
+    """Target checkpoint folder (HF format, safetensors); None: the tiny built-in target
+    (`builtin_target`)."""
+    builtin_target: Literal["llama", "qwen2_5_vl"] = "llama"
+    """The tiny target built (pre-trained on the kit's generated chats, cached) where
+    `model_path` is None: the text kit's Llama (`eagle_ray.tiny`), or a Qwen2.5-VL-shaped
+    vision-language target pre-trained on generated image chats (`eagle_ray.tiny.vision`,
+    `examples/tiny-vl.yaml`)."""
     backend: str = "vllm"
     """`vllm`, `hf`, or `package.module:factory` (`factory(config) -> backend`)."""
     replicas: int = 1
@@ -147,6 +154,21 @@ class PoolConfig:
                 raise ConfigError(f"target.{e}") from None
 
     # Every name the pool gives its actors and placement groups comes from here.
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the target is a vision-language model, as far as the config can tell
+        before anything loads: the built-in one chosen, or a local checkpoint whose
+        `config.json` has a vision tower and an image token (a hub id: False until loaded)."""
+        if self.model_path is None:
+            return self.builtin_target != "llama"
+        config = Path(self.model_path) / "config.json"
+        if not config.is_file():
+            return False
+        # The keys `contract.checkpoint.is_vision_language` reads (without importing
+        # transformers into every config load).
+        fields = json.loads(config.read_text())
+        return bool(fields.get("vision_config")) and fields.get("image_token_id") is not None
 
     @property
     def router_name(self) -> str:

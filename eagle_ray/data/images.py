@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from eagle_ray.contract.images import processor_size
+from eagle_ray.contract.images import ImageInputs, processor_size
 from eagle_ray.data.chat import (
     NoAssistantTurn,
     assistant_spans,
@@ -260,6 +260,22 @@ def tokenize_vision_conversation(vision: VisionProcessor, messages: list[dict[st
         raise ValueError(f"{ids.count(vision.image_token_id)} image tokens after tokenising, "
                          f"expected {sum(counts)}")
     return (ids, mask, *image_columns(arrays))
+
+
+def image_prompt(vision: VisionProcessor, messages: list[dict[str, Any]],
+                 root: str | Path | None = None) -> tuple[list[int], ImageInputs | None]:
+    """A prompt for the target to answer: `messages` rendered with the generation prompt, every
+    image loaded (paths relative to `root`), resized and expanded as in training rows."""
+    text = vision.apply_chat_template(text_only(messages), tokenize=False,
+                                      add_generation_prompt=True)
+    arrays = [vision.resized(load_image(ref, root)) for ref in image_refs(messages)]
+    if text.count(vision.image_token) != len(arrays):
+        raise ValueError(f"the chat template writes {text.count(vision.image_token)} "
+                         f"{vision.image_token} for {len(arrays)} image items")
+    text, _ = expand_image_tokens(text, vision.image_token,
+                                  [vision.image_tokens(a) for a in arrays], [])
+    ids = vision.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return list(ids), ImageInputs.of_rows([arrays]) if arrays else None
 
 
 def _rendered_spans(vision: VisionProcessor, messages: list[dict[str, Any]]

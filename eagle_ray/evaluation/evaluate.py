@@ -22,13 +22,12 @@ before the next starts.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import itertools
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,7 +37,6 @@ from eagle_ray.backends.base import RunnerEagle3TargetModel, Sampling
 from eagle_ray.config import ConfigError, EvalConfig, PoolConfig
 from eagle_ray.contract.supervision import DraftVocab
 from eagle_ray.data.chat import stop_token_ids
-from eagle_ray.draft.export import load_exported_draft
 from eagle_ray.draft.model import Eagle3Draft
 from eagle_ray.draft.serving import DraftServing
 from eagle_ray.evaluation.acceptance import (
@@ -52,8 +50,10 @@ from eagle_ray.evaluation.paired import replay_served
 from eagle_ray.evaluation.prompts import EvalPrompt, EvalPrompts, read_eval_prompts
 from eagle_ray.evaluation.simulate import (
     draft_seconds_per_verify_step,
+    load_drafts,
     simulate_acceptance,
     simulate_sampled,
+    simulation_target,
     target_top_probability,
 )
 
@@ -152,32 +152,6 @@ def greedy_reference(serving: DraftServing, prompts: Sequence[EvalPrompt], token
     return greedy, turns, failed
 
 
-@contextlib.contextmanager
-def simulation_target(pool: PoolConfig, serving: DraftServing, longest: int
-                      ) -> Iterator[RunnerEagle3TargetModel]:
-    """The pool's own backend (a replica's: vLLM at the pool's `tp_size` by default) on the
-    served checkpoint and dtype, capturing the draft's aux layers, its engine sized for
-    sequences of `longest` tokens and run in processes of its own (the serving engines after it
-    size themselves from the memory it leaves): the simulation needs the target's aux states and
-    distributions at every position, which is what a replica computes. Shut down on exit."""
-    from eagle_ray.backends import build_backend
-    from eagle_ray.backends.engines import ENGINES
-    from eagle_ray.draft.export import exported_target
-
-    config = dataclasses.replace(
-        pool, model_path=serving.model_path, dtype=serving.dtype,
-        aux_layer_ids=list(exported_target(serving.draft_dir).aux_layer_ids),
-        vllm_kwargs={k: v for k, v in pool.vllm_kwargs.items() if k != "max_model_len"})
-    engine = ENGINES.get(config.backend)
-    if engine is not None:  # in its own process: its memory is back before serving starts
-        config = engine.in_own_process(engine.sized_for(config, longest))
-    target = build_backend(config)
-    try:
-        yield target
-    finally:
-        target.shutdown()
-
-
 def evaluate_draft(target: PoolConfig, serving: DraftServing, prompts: EvalPrompts,
                    eval_config: EvalConfig) -> dict[str, Any]:
     """Acceptance of the exported draft: the target's greedy answers from vLLM without the draft
@@ -186,10 +160,16 @@ def evaluate_draft(target: PoolConfig, serving: DraftServing, prompts: EvalPromp
     simulation of the trained and of an untrained draft on the pool's backend for `target`
     (`simulation_target`), with vLLM's sampled answers replayed, on the same turns; on the
     target the draft was exported for (its aux layer ids), in the target's dtype. Runs where it
-    is called: a job runs it as a Ray task with the target's resources (`evaluate_on_cluster`)."""
+    is called: a job runs it as a Ray task with the target's resources (`evaluate_on_cluster`).
+    A vision-language target's draft is measured on image prompts instead
+    (`eagle_ray.evaluation.images`)."""
     from eagle_ray.data.tokenizer_files import load_tokenizer
     from eagle_ray.draft.export import exported_ttt_steps
 
+    if target.takes_images:
+        from eagle_ray.evaluation.images import evaluate_on_images
+
+        return evaluate_on_images(target, serving, prompts, eval_config)
     check_eval_settings(eval_config, exported_ttt_steps(serving.draft_dir),
                         f"the draft's {Path(serving.draft_dir) / 'config.json'} "
                         f"eagle_ray_ttt_steps")
@@ -236,7 +216,7 @@ def _simulate(pool: PoolConfig, serving: DraftServing, longest: int,
     probability along its greedy answers (`continuations`)."""
     ks = eval_config.num_speculative_tokens
     with simulation_target(pool, serving, longest) as target:
-        trained, untrained, vocab = _drafts(target, serving.draft_dir)
+        trained, untrained, vocab = load_drafts(target, serving.draft_dir)
         seconds = draft_seconds_per_verify_step(target, trained, vocab, turn_prompts[:4], ks)
         report: dict[str, Any] = {
             # Its forwards per verify step are counted where vLLM serves it (`draft_forwards`).
@@ -297,17 +277,6 @@ def measured_draft_forwards(rows: Sequence[dict[str, Any]], ks: Sequence[int], k
                                "%s draft runs %s", per_step, k, kind, "one" if parallel else k)
     return {"forwards_per_verify_step": measured,
             "drafts_as_its_kind": all(as_its_kind) if as_its_kind else None}
-
-
-def _drafts(target: RunnerEagle3TargetModel, draft_dir: str
-            ) -> tuple[Eagle3Draft, Eagle3Draft, DraftVocab]:
-    """The exported draft and an untrained one of its shape (seeded), in fp32 as trained, on
-    the target's device (its head's), and the draft vocabulary."""
-    embedding = target.get_input_embeddings().weight.detach().float()
-    trained, vocab = load_exported_draft(draft_dir, embedding)
-    torch.manual_seed(1234)
-    untrained = trained.untrained(embedding)
-    return trained.to(target.device).eval(), untrained.to(target.device).eval(), vocab
 
 
 def _simulated(name: str, target: RunnerEagle3TargetModel, draft: Eagle3Draft, vocab: DraftVocab,

@@ -1,6 +1,8 @@
 """The project's own acceptance measurement: chain drafting simulated with the target's states (a
 backend's: the pool's vLLM engine in an evaluation, the HF model in the tests) and the draft,
-independent of vLLM's speculative decoding, greedy and sampled.
+independent of vLLM's speculative decoding, greedy and sampled; and what it runs on
+(`simulation_target`: the pool's own backend; `load_drafts`: the trained draft and an untrained
+baseline).
 
 Per verify step the target has its next token, the draft proposes `k` more from the target's aux
 states (greedily, as vLLM's EAGLE proposer does), and the target verifies them. Greedy: a draft
@@ -20,19 +22,23 @@ sqrt(sum of the conditional variances) of 0 (`SampledAcceptance.deviation`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from eagle_ray.backends.base import RunnerEagle3TargetModel
+from eagle_ray.config import PoolConfig
 from eagle_ray.contract.images import ImageInputs
 from eagle_ray.contract.supervision import DraftVocab
+from eagle_ray.draft.export import load_exported_draft
 from eagle_ray.draft.model import Eagle3Draft
+from eagle_ray.draft.serving import DraftServing
 from eagle_ray.evaluation.acceptance import AcceptanceTally
 
 
@@ -316,3 +322,40 @@ def simulate_sampled_acceptance(target: RunnerEagle3TargetModel, draft: Eagle3Dr
     run = simulate_sampled(target, draft, vocab, prompts, k, temperature, max_new_tokens,
                            stop_token_ids, seed)
     return run.length(), run.tally.per_position()
+
+
+@contextlib.contextmanager
+def simulation_target(pool: PoolConfig, serving: DraftServing, longest: int
+                      ) -> Iterator[RunnerEagle3TargetModel]:
+    """The pool's own backend (a replica's: vLLM at the pool's `tp_size` by default) on the
+    served checkpoint and dtype, capturing the draft's aux layers, its engine sized for
+    sequences of `longest` tokens and run in processes of its own (the serving engines after it
+    size themselves from the memory it leaves): the simulation needs the target's aux states and
+    distributions at every position, which is what a replica computes. Shut down on exit."""
+    from eagle_ray.backends import build_backend
+    from eagle_ray.backends.engines import ENGINES
+    from eagle_ray.draft.export import exported_target
+
+    config = dataclasses.replace(
+        pool, model_path=serving.model_path, dtype=serving.dtype,
+        aux_layer_ids=list(exported_target(serving.draft_dir).aux_layer_ids),
+        vllm_kwargs={k: v for k, v in pool.vllm_kwargs.items() if k != "max_model_len"})
+    engine = ENGINES.get(config.backend)
+    if engine is not None:  # in its own process: its memory is back before serving starts
+        config = engine.in_own_process(engine.sized_for(config, longest))
+    target = build_backend(config)
+    try:
+        yield target
+    finally:
+        target.shutdown()
+
+
+def load_drafts(target: RunnerEagle3TargetModel, draft_dir: str
+            ) -> tuple[Eagle3Draft, Eagle3Draft, DraftVocab]:
+    """The exported draft and an untrained one of its shape (seeded), in fp32 as trained, on
+    the target's device (its head's), and the draft vocabulary."""
+    embedding = target.get_input_embeddings().weight.detach().float()
+    trained, vocab = load_exported_draft(draft_dir, embedding)
+    torch.manual_seed(1234)
+    untrained = trained.untrained(embedding)
+    return trained.to(target.device).eval(), untrained.to(target.device).eval(), vocab

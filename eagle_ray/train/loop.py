@@ -185,7 +185,7 @@ class DraftLearner:
               else contextlib.nullcontext()):
             loss, step_losses, step_accuracies = self.draft.objective(
                 self.model, batch.aux_hidden_states, batch.input_ids, batch.loss_mask, probs,
-                position_mask, self.train.ttt_steps)
+                position_mask, self.train.ttt_steps, batch.positions)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.train.grad_clip)

@@ -35,7 +35,7 @@ from eagle_ray.train.loop import epoch_micro_batches
 
 from pool_helpers import running_ray
 
-build_vl_processor = pytest.importorskip("eagle_ray.tiny_vl").build_vl_processor
+build_vl_processor = pytest.importorskip("eagle_ray.tiny.vision").build_vl_processor
 
 VOCAB = 4096
 

@@ -19,9 +19,9 @@ from eagle_ray.data.chat import prompt_for_turn, stop_token_ids
 from eagle_ray.draft.export import export_draft
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft
 from eagle_ray.draft.serving import DraftServing
-from eagle_ray.evaluation.evaluate import evaluate_draft, simulation_target
+from eagle_ray.evaluation.evaluate import evaluate_draft
 from eagle_ray.evaluation.prompts import EvalPrompt, EvalPrompts
-from eagle_ray.evaluation.simulate import target_states
+from eagle_ray.evaluation.simulate import simulation_target, target_states
 from eagle_ray.tiny import tiny_target
 
 SPECULATION_KEYS = {"speculative_config", "per_request_spec_decode_metrics",

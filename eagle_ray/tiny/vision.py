@@ -20,7 +20,6 @@ import dataclasses
 import json
 import logging
 import random
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,11 +28,11 @@ import torch
 
 from eagle_ray.tiny import (
     KIT_TOKENIZER,
-    LM_HEAD_STD,
-    _atomic_place,
     build_tokenizer,
     cache_root,
+    cached_checkpoint,
     generate_chat_samples,
+    save_random_target,
 )
 
 if TYPE_CHECKING:
@@ -291,13 +290,7 @@ def build_tiny_vl_target(path: str | Path, kind: str = "qwen2_5_vl", seed: int =
     path = Path(path)
     processor = build_vl_processor(kind, seed)
     config = tiny_vl_config(kind, tokenizer=processor.tokenizer)
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    # Peaked random next-token distributions, as the text kit's (`eagle_ray.tiny.LM_HEAD_STD`).
-    model.get_output_embeddings().weight.data.normal_(0.0, LM_HEAD_STD)
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    return path
+    return save_random_target(AutoModelForImageTextToText, config, path, seed, processor)
 
 
 def tiny_vl_target(kind: str = "qwen2_5_vl", pretrained: bool = False) -> Path:
@@ -306,17 +299,11 @@ def tiny_vl_target(kind: str = "qwen2_5_vl", pretrained: bool = False) -> Path:
     `pretrained=True`: after `pretrain_vl` on the image-chat corpus (a minute or two of CPU),
     so its greedy answers describe the picture it is shown."""
     name = kind + (f"-pretrained-v{PRETRAIN_VL_VERSION}" if pretrained else "")
-    path = cache_root() / f"tiny-vl-v{VL_KIT_VERSION}" / name
-    if not (path / "config.json").exists():
-        logger.info("building tiny %s target at %s%s", kind, path,
-                    " (pre-training on image chats: a minute or two)" if pretrained else "")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            built = build_tiny_vl_target(Path(tmp) / "model", kind)
-            if pretrained:
-                pretrain_vl(built)
-            _atomic_place(built, path)
-    return path
+    return cached_checkpoint(
+        cache_root() / f"tiny-vl-v{VL_KIT_VERSION}" / name,
+        lambda into: build_tiny_vl_target(into, kind), pretrain_vl if pretrained else None,
+        f"tiny {kind} target" + (" (pre-training on image chats: a minute or two)"
+                                 if pretrained else ""))
 
 
 def encode_image_chat(processor: PaddleOCRVLProcessor, messages: list[dict]

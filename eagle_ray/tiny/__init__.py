@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -264,13 +265,20 @@ def build_tiny_target(path: str | Path, arch: str = "llama", num_layers: int = 8
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
+    return save_random_target(AutoModelForCausalLM, config, path, seed, tokenizer)
+
+
+def save_random_target(auto_class, config, path: Path, seed: int, *beside) -> Path:
+    """A target of `config` with seeded random fp32 weights saved into `path`, with `beside`
+    (its tokenizer or processor)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto_class.from_config(config, dtype=torch.float32)
     # A wide head makes the random target's next-token distributions peaked, as a trained LM's
     # are (logit std ~3.4 instead of ~0.9), so drafts have something sharp to learn.
     model.get_output_embeddings().weight.data.normal_(0.0, LM_HEAD_STD)
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    for files in beside:
+        files.save_pretrained(path)
     return path
 
 
@@ -283,15 +291,25 @@ def tiny_target(arch: str = "llama", num_layers: int = 8, pretrained: bool = Fal
     can only learn to predict a target that says something predictable.
     """
     name = f"{arch}-{num_layers}l" + (f"-pretrained-v{PRETRAIN_VERSION}" if pretrained else "")
-    path = cache_root() / f"tiny-v{KIT_VERSION}" / name
+    return cached_checkpoint(
+        cache_root() / f"tiny-v{KIT_VERSION}" / name,
+        lambda into: build_tiny_target(into, arch, num_layers), pretrain if pretrained else None,
+        f"tiny {arch} target" + (" (pre-training on the chat corpus: a minute or two)"
+                                 if pretrained else ""))
+
+
+def cached_checkpoint(path: Path, build: Callable[[Path], Path],
+                      pretrain_it: Callable[[Path], None] | None, what: str) -> Path:
+    """`path`, built on first use by `build(folder)` (then `pretrain_it` on it) in a temporary
+    folder beside it and moved into place at once (a concurrent builder's copy wins the race;
+    the cache is never half written)."""
     if not (path / "config.json").exists():
-        logger.info("building tiny %s target at %s%s", arch, path,
-                    " (pre-training on the chat corpus: a minute or two)" if pretrained else "")
+        logger.info("building %s at %s", what, path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            built = build_tiny_target(Path(tmp) / "model", arch, num_layers)
-            if pretrained:
-                pretrain(built)
+            built = build(Path(tmp) / "model")
+            if pretrain_it is not None:
+                pretrain_it(built)
             _atomic_place(built, path)
     return path
 
