@@ -10,7 +10,10 @@ including a `vllm serve` of an exported draft -- registers the subclass below in
 does nothing once vLLM's own class supports EAGLE-3. Equal to the HF reference on every slot:
 tests/backends/test_vllm_target.py. It also fixes two defects of the CPU build: the
 rejection-sampler kernel (`cpu_sampling`), which must be in place before the worker registers
-its kernel overrides, and the DFlash model's context-key norm (`cpu_dflash`).
+its kernel overrides, and the DFlash model's context-key norm (`cpu_dflash`). Where torchvision
+cannot be imported (the CPU build), it first installs the stand-ins that let vLLM's Qwen2-VL-family
+modules and processors serve images (`torchvision_shim`): vLLM imports those modules when it
+inspects the model, in every process, after loading its plugins.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ MIXTRAL = "MixtralForCausalLM"
 
 def register() -> None:
     """The plugin entry point (`pyproject.toml`: `vllm.general_plugins`)."""
+    from eagle_ray.backends.vllm import torchvision_shim
+
+    torchvision_shim.install()  # before anything imports a vision-language model module
+
     from vllm import ModelRegistry
     from vllm.model_executor.models.mixtral import MixtralForCausalLM
 

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from eagle_ray.backends.base import RunnerOutput, Sampling, TargetRunner, check_ranks_agree
+from eagle_ray.backends.vllm import torchvision_shim
+from eagle_ray.backends.vllm import vision as vllm_vision
 from eagle_ray.backends.vllm.engine_args import (
     TP_EXECUTOR,
     capture_compilation_config,
@@ -36,6 +38,7 @@ from eagle_ray.backends.vllm.handoff import (
     rank_check_handoff,
     rank_check_key,
 )
+from eagle_ray.contract.images import ImageInputs, ImageTokens
 from eagle_ray.data.tokenizer_files import serves_without_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -158,6 +161,8 @@ class VLLMTargetRunner(TargetRunner):
       `max_tokens_per_engine_call`); `object_store_bytes`: the Ray object store's size on this
       node, which shares /dev/shm with the ring (a ring that would not fit beside it is
       refused, naming the setting to change).
+    - `vision`: a vision-language target's placeholder layout (`ImageTokens`); its engine
+      takes images (`vision`, this package) and refuses videos. None: a text target.
     """
 
     def __init__(
@@ -177,6 +182,7 @@ class VLLMTargetRunner(TargetRunner):
         max_call_tokens: int = DEFAULT_CALL_TOKENS,
         object_store_bytes: int = 0,
         check_ranks: bool = True,
+        vision: ImageTokens | None = None,
     ) -> None:
         from vllm.platforms import current_platform
 
@@ -187,6 +193,7 @@ class VLLMTargetRunner(TargetRunner):
             raise ValueError(f"tp_size={tp_size} disagrees with vllm_kwargs "
                              f"tensor_parallel_size={tp_from_kwargs}; pass one of them")
         self.capture_ids = list(capture_ids)
+        self.vision = vision
         self.tp_size = tp_size
         # With TP, every micro-batch's rows of the first captured layer on each rank are
         # compared with rank 0's (`check_ranks_agree`): the self-check's cover of an aux layer.
@@ -219,6 +226,8 @@ class VLLMTargetRunner(TargetRunner):
         """`vllm.LLM`'s arguments: the platform's defaults, the user's `vllm_kwargs`, then what
         the capture owns (the model, the extract_hidden_states method, this connector)."""
         engine_kwargs = {**(CPU_DEFAULTS if self.is_cpu else GPU_DEFAULTS), **vllm_kwargs}
+        if self.vision is not None:
+            engine_kwargs = vllm_vision.vision_engine_kwargs(engine_kwargs)
         engine_kwargs["compilation_config"] = capture_compilation_config(
             engine_kwargs.get("compilation_config"))
         if tp_size > 1:
@@ -270,6 +279,8 @@ class VLLMTargetRunner(TargetRunner):
         if self.is_cpu and tp_size > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
                                                           "auto") == "auto":
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp_size)
+        if self.vision is not None:
+            torchvision_shim.install()  # (the plugin does too, in each of vLLM's processes)
         started = time.perf_counter()
         llm = build_llm(engine_kwargs, self.multiprocess, env)
         self.start_seconds = time.perf_counter() - started
@@ -278,19 +289,21 @@ class VLLMTargetRunner(TargetRunner):
                     "multiprocess" if self.multiprocess else "in-process", self.handoff.to_config())
         return llm
 
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RunnerOutput:
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+            images: ImageInputs | None = None) -> RunnerOutput:
+        """One batched `generate` (images: `vision.image_prompts`); rows' states, unpadded."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         lengths = attention_mask.sum(dim=1).tolist()
-        prompts = [TokensPrompt(prompt_token_ids=row[:n].tolist())
-                   for row, n in zip(input_ids, lengths, strict=True)]
+        prompts = vllm_vision.image_prompts(input_ids, lengths, images, self.vision)
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         keys = [(o.kv_transfer_params or {}).get(PARAMS_KEY) for o in outputs]
         try:
             if not self.multiprocess:
                 self._drain()
+            if images is not None:
+                vllm_vision.check_expanded(outputs, input_ids, lengths)
             states = [self._take(key, n) for key, n in zip(keys, lengths, strict=True)]
             if self.check_ranks:
                 self._check_ranks(keys, states)
@@ -302,7 +315,8 @@ class VLLMTargetRunner(TargetRunner):
         # The states stay where the hand-off left them (views of the ring, or the connector's
         # tensors): the host stage shifts them into the batch, one copy (RunnerOutput.rows).
         greedy = torch.tensor([o.outputs[0].token_ids[0] for o in outputs], dtype=torch.long)
-        return RunnerOutput(rows=states, next_token_ids=greedy)
+        positions = vllm_vision.temporal_positions(input_ids, attention_mask, images, self.vision)
+        return RunnerOutput(rows=states, next_token_ids=greedy, positions=positions)
 
     def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
         """Generate continuations with the same engine (vLLM holds one per process). These

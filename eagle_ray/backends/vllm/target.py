@@ -14,9 +14,12 @@ import torch
 from transformers import AutoConfig
 
 from eagle_ray.backends.base import RunnerEagle3TargetModel
+from eagle_ray.backends.hf import image_tokens
 from eagle_ray.backends.vllm.runner import VLLMTargetRunner
+from eagle_ray.backends.vllm.vision import checkpoint_image_processor
 from eagle_ray.contract.aux_layers import resolve_aux_layer_ids, vllm_capture_layer_ids
 from eagle_ray.contract.checkpoint import load_embedding_and_head, resolve_dtype
+from eagle_ray.contract.images import ImageInputs, check_processor_sizes
 from eagle_ray.contract.supervision import DraftVocab
 from eagle_ray.contract.target_batch import Encoding
 
@@ -28,8 +31,10 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
 
     The engine captures the aux layers and the final pre-norm hidden state through vLLM's
     `extract_hidden_states` method; the embedding and head are read from the checkpoint
-    (never a second full model). A self-check (on by default) compares vLLM's own greedy token
-    with the head applied to the captured final state on every micro-batch.
+    (never a second full model). A vision-language checkpoint (Qwen2.5-VL, Qwen3-VL) takes
+    images beside its rows (docs/contract.md, "Images"; `vision`, this package). A self-check
+    (on by default) compares vLLM's own greedy token with the head applied to the captured
+    final state on every micro-batch.
 
     Example:
         >>> target = VLLMEagle3TargetModel.from_pretrained(path, dtype="bfloat16", tp_size=2,
@@ -37,6 +42,15 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
         ...                                                # doctest: +SKIP
         >>> batch = target.generate_batch(input_ids, attention_mask, loss_mask)  # doctest: +SKIP
     """
+
+    image_processor: Any = None  # a vision-language checkpoint's: the size images must travel at
+
+    def validate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 loss_mask: torch.Tensor, images: ImageInputs | None = None) -> None:
+        """The base checks, and images at the size the checkpoint's processor takes them."""
+        super().validate(input_ids, attention_mask, loss_mask, images)
+        if self.image_processor is not None:  # (else vLLM's expansion is checked per row)
+            check_processor_sizes(images, self.image_processor)
 
     @classmethod
     def from_pretrained(
@@ -82,18 +96,21 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
         num_layers = text_config.num_hidden_layers
         aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, num_layers)
         capture_ids = vllm_capture_layer_ids(aux_layer_ids, num_layers)
+        vision = image_tokens(config)
+        image_processor = (None if vision is None else
+                           checkpoint_image_processor(model_path, vllm_kwargs, trust_remote_code))
         embedding, head = load_embedding_and_head(model_path, torch_dtype, trust_remote_code)
         runner = VLLMTargetRunner(
             str(model_path), capture_ids, text_config.hidden_size, torch_dtype, tp_size=tp_size,
             trust_remote_code=trust_remote_code, vllm_kwargs=vllm_kwargs,
             max_model_len_hint=getattr(text_config, "max_position_embeddings", 0) or 0,
-            check_ranks=self_check, **runner_options,
+            check_ranks=self_check, vision=vision, **runner_options,
         )
         if not runner.is_cpu and torch.cuda.is_available():
             # The head (and the self-check, and logits / target_probs decoding) on the engine's
             # first GPU, loaded after the engine has sized its KV cache.
             head = head.to("cuda")
-        return cls(
+        target = cls(
             runner,
             num_hidden_layers=num_layers,
             vocab_size=text_config.vocab_size,
@@ -105,4 +122,7 @@ class VLLMEagle3TargetModel(RunnerEagle3TargetModel):
             # vLLM needs room for the one sampled token after the prompt.
             max_length=runner.max_model_len - 1,
             self_check=self_check,
+            vision=vision,
         )
+        target.image_processor = image_processor
+        return target
