@@ -27,7 +27,8 @@ import psutil
 import ray
 
 from eagle_ray.bench import emit
-from eagle_ray.data.ingest import count_answers, read_chats, tokenized, training_rows
+from eagle_ray.data.draft_vocab import count_answers
+from eagle_ray.data.ingest import read_chats, tokenized, training_rows
 from eagle_ray.data.micro_batches import make_micro_batches, token_budget_micro_batches
 from eagle_ray.tiny import generate_chat_samples
 
@@ -108,7 +109,7 @@ def _ingest(path: Path, model_path: str, vocab_size: int, consumers: int,
     """The job's path over one file: counting pass on the driver, shards to consumers."""
     rows = tokenized(read_chats(str(path), 0, 0.25), model_path, 2048, vocab_size, "truncate",
                      0.5, tokenize_workers)
-    _, statuses, _ = count_answers(rows, (), vocab_size)
+    _, statuses, _, _ = count_answers(rows, (), vocab_size)
     shards = training_rows(rows, ()).streaming_split(consumers, equal=False)
     results = ray.get([Consumer.remote().consume.remote(s) for s in shards])
     delivered = sum(r["rows"] for r in results)

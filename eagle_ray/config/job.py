@@ -256,6 +256,10 @@ class JobConfig:
                 f"text-only for parallel drafts beside one (it feeds them no image positions), "
                 f"so a draft trained on image supervision would be served on other inputs; "
                 f"train draft.kind: eagle3 for this target")
+        if self.target.takes_images and self.regenerate.enabled:
+            raise ConfigError("regenerate.enabled with a vision-language target: the pool "
+                              "regenerates answers from text prompts only; set "
+                              "regenerate.enabled: false (train on the data's own answers)")
         if self.target.takes_images and self.eval.enabled and (
                 self.eval.vllm or any(t != 0 for t in self.eval.temperatures)):
             raise ConfigError(

@@ -3,18 +3,22 @@ per data and target and cached beside the job's output."""
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from eagle_ray.config.loader import ConfigError
 from eagle_ray.contract.supervision import DraftVocab
-from eagle_ray.data.tokenize import Row
+from eagle_ray.data.tokenize import TRAINED, Row
 
 logger = logging.getLogger(__name__)
+
+DROPPED_NAMED = 20  # rows dropped for their images that the job names (the rest are counted)
 
 
 def answer_token_counts(rows: Iterable[Row], vocab_size: int) -> torch.Tensor:
@@ -55,3 +59,41 @@ def load_or_build_draft_vocab(path: str | Path, source: dict,
                                 "statuses": statuses}))
     logger.info("built draft vocabulary of %d tokens -> %s", vocab.size, path)
     return vocab, statuses
+
+
+def count_answers(tokenized_dataset, held_out_keys: Iterable[str], vocab_size: int,
+                  images: bool = False
+                  ) -> tuple[np.ndarray, collections.Counter, int, list[str]]:
+    """One streaming pass on the driver: answer-token counts over the training rows (for the
+    draft vocabulary), what happened to every conversation (`ALL_STATUSES`), the training
+    rows' tokens, and why rows were dropped for their images (`DROPPED_NAMED` at most: each
+    image and its reason). `images`: the rows have image columns; the pass reads their sizes
+    (never their pixels) and counts the training rows' `training_images` and their bytes
+    (`training_image_bytes`) among the statuses."""
+    excluded = frozenset(held_out_keys)
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    statuses: collections.Counter = collections.Counter()
+    tokens = 0
+    dropped: list[str] = []
+    names = ["status", "key", "input_ids", "loss_mask"] + (["image_sizes", "problem"] if images
+                                                            else [])
+    rows = tokenized_dataset.select_columns(names) if images else tokenized_dataset
+    for batch in rows.iter_batches(batch_size=256, batch_format="numpy"):
+        nothing = [None] * len(batch["status"])
+        sizes = batch["image_sizes"] if images else nothing
+        problems = batch["problem"] if images else nothing
+        for status, key, ids, mask, size, problem in zip(
+                batch["status"], batch["key"], batch["input_ids"], batch["loss_mask"], sizes,
+                problems, strict=True):
+            if key in excluded:
+                continue
+            statuses[str(status)] += 1
+            if problem and len(dropped) < DROPPED_NAMED:
+                dropped.append(str(problem))
+            if status in TRAINED:
+                counts += np.bincount(ids[mask == 1], minlength=vocab_size)
+                tokens += len(ids)
+                if size is not None:
+                    statuses["training_images"] += len(size)
+                    statuses["training_image_bytes"] += 3 * int(np.prod(size, axis=1).sum())
+    return counts, statuses, tokens, dropped

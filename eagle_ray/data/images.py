@@ -25,7 +25,7 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from eagle_ray.data.chat import (
     has_generation_markers,
     mask_from_spans,
 )
+
+if TYPE_CHECKING:
+    from eagle_ray.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,32 @@ def image_refs(messages: Sequence[dict[str, Any]]) -> list[Any]:
     """The image items' sources (path, URL, bytes, ...) of a conversation, in order."""
     return [item["image"] for m in messages if isinstance(m["content"], list)
             for item in m["content"] if item["type"] == "image"]
+
+
+def with_image_root(messages: Sequence[dict[str, Any]], root: str | None
+                    ) -> list[dict[str, Any]]:
+    """Messages whose relative image paths are made absolute against `root` (a held-out
+    conversation leaves the data's folder for the evaluation's Ray task)."""
+    def placed(item: dict[str, Any]) -> dict[str, Any]:
+        ref = item.get("image")
+        if root is None or item["type"] != "image" or not isinstance(ref, str) \
+                or "://" in ref or ref.startswith("data:") or Path(ref).is_absolute():
+            return item
+        return {**item, "image": str(Path(root) / ref)}
+
+    return [{**m, "content": [placed(item) for item in m["content"]]}
+            if isinstance(m["content"], list) else m for m in messages]
+
+
+def image_problem(messages: Sequence[dict[str, Any]], root: str | Path | None) -> str:
+    """Why a conversation's images cannot be read (the first that fails: its source and the
+    reason), or "" where every one loads: what the job names for a row it dropped."""
+    for ref in image_refs(messages):
+        try:
+            load_image(ref, root)
+        except ImageProblem as e:
+            return str(e)
+    return ""
 
 
 def text_only(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -315,3 +344,17 @@ def expand_image_tokens(text: str, image_token: str, counts: Sequence[int],
     expanded = pieces[0] + "".join(image_token * n + piece
                                    for n, piece in zip(counts, pieces[1:], strict=True))
     return expanded, [(moved(start), moved(end)) for start, end in spans]
+
+
+def chat_source(config: JobConfig, output_dir: Path) -> str | list[str] | None:
+    """`data.path`; for the vision-language kit's target without one, its generated image chats
+    (`eagle_ray.tiny.vision`: written once into `output_dir`, the pictures beside them)."""
+    if config.data.path is not None or not config.target.takes_images \
+            or config.target.model_path is not None:
+        return config.data.path
+    from eagle_ray.tiny.vision import write_image_chat_dataset
+
+    path = output_dir / "generated" / f"image-chats-{config.data.num_samples}.jsonl"
+    if not path.exists():
+        write_image_chat_dataset(path, config.data.num_samples, seed=0)
+    return str(path)

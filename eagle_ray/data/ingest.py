@@ -19,7 +19,6 @@ then has `IMAGE_COLUMNS` too (empty for a text row); a text-only target's rows h
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import json
@@ -38,10 +37,18 @@ from eagle_ray.config import ConfigError, DataConfig, JobConfig
 from eagle_ray.contract.identity import TargetIdentity
 from eagle_ray.contract.supervision import DraftVocab
 from eagle_ray.data.chat import conversation_key, conversation_messages, is_json_array
-from eagle_ray.data.draft_vocab import load_or_build_draft_vocab
-from eagle_ray.data.images import has_image_processor, image_root, load_vision_processor
+from eagle_ray.data.draft_vocab import count_answers, load_or_build_draft_vocab
+from eagle_ray.data.images import (
+    chat_source,
+    has_image_processor,
+    image_problem,
+    image_root,
+    load_vision_processor,
+    with_image_root,
+)
 from eagle_ray.data.micro_batches import micro_batches_per_epoch
 from eagle_ray.data.tokenize import (
+    IMAGE_LOAD_DROPS,
     TRAINED,
     job_statuses,
     tokenize_image_row,
@@ -125,7 +132,8 @@ class TokenizeChats:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         names = ("status", "key", "input_ids", "loss_mask", "length")
-        columns = {name: [] for name in names + (IMAGE_COLUMNS if self.vision else ())}
+        columns = {name: [] for name in names + (IMAGE_COLUMNS + ("problem",) if self.vision
+                                                 else ())}
         for i in range(len(next(iter(batch.values())))):
             messages = row_messages({c: batch[c][i] for c in CHAT_COLUMNS if c in batch})
             if self.vision is None:
@@ -137,6 +145,8 @@ class TokenizeChats:
                     "a dataset row", self.image_root)
                 columns["pixels"].append(pixels)
                 columns["image_sizes"].append(sizes)
+                columns["problem"].append(image_problem(messages, self.image_root)
+                                          if status in IMAGE_LOAD_DROPS else "")
             for name, value in (("status", status), ("key", conversation_key(messages)),
                                 ("input_ids", np.asarray(ids, dtype=np.int64)),
                                 ("loss_mask", np.asarray(mask, dtype=np.int64)),
@@ -192,35 +202,6 @@ def training_rows(tokenized_dataset, held_out_keys: Iterable[str], cpus_per_task
         num_cpus=cpus_per_task)
 
 
-def count_answers(tokenized_dataset, held_out_keys: Iterable[str], vocab_size: int,
-                  images: bool = False) -> tuple[np.ndarray, collections.Counter, int]:
-    """One streaming pass on the driver: answer-token counts over the training rows (for the
-    draft vocabulary), what happened to every conversation (`ALL_STATUSES`) and the training
-    rows' tokens. `images`: the rows have `IMAGE_COLUMNS`; the pass reads their sizes (never
-    their pixels) and counts the training rows' `training_images` and their bytes
-    (`training_image_bytes`) among the statuses."""
-    excluded = frozenset(held_out_keys)
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    statuses: collections.Counter = collections.Counter()
-    tokens = 0
-    names = ["status", "key", "input_ids", "loss_mask"] + (["image_sizes"] if images else [])
-    rows = tokenized_dataset.select_columns(names) if images else tokenized_dataset
-    for batch in rows.iter_batches(batch_size=256, batch_format="numpy"):
-        sizes = batch["image_sizes"] if images else [None] * len(batch["status"])
-        for status, key, ids, mask, size in zip(batch["status"], batch["key"], batch["input_ids"],
-                                                batch["loss_mask"], sizes, strict=True):
-            if key in excluded:
-                continue
-            statuses[str(status)] += 1
-            if status in TRAINED:
-                counts += np.bincount(ids[mask == 1], minlength=vocab_size)
-                tokens += len(ids)
-                if size is not None:
-                    statuses["training_images"] += len(size)
-                    statuses["training_image_bytes"] += 3 * int(np.prod(size, axis=1).sum())
-    return counts, statuses, tokens
-
-
 def _present(value: Any) -> bool:
     return value is not None and not (isinstance(value, float) and np.isnan(value))
 
@@ -263,13 +244,14 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, tokenizer_at: st
     # The workers' split coordinator re-executes the dataset every epoch; Ray Data's progress
     # bars would print a set per execution into the driver's console. The job logs its counts.
     ray.data.DataContext.get_current().enable_progress_bars = False
-    data = config.data
+    data = dataclasses.replace(config.data, path=chat_source(config, output_dir))
     source = read_chats(data.path, data.num_samples, data.cpus_per_task)
     input_bytes = _input_bytes(data.path, source)
     if _fits_the_driver(input_bytes, data):
         source = source.materialize()  # read once for the held-out split and the tokenising
     held = held_out(source, data.eval_samples)
     held_keys = {conversation_key(m) for m in held}
+    held = [with_image_root(m, image_root(data.path)) for m in held]
     regenerated = None
     if config.regenerate.enabled:
         path, regenerated = regenerate_job_data(config, served, tokenizer, client, held_keys,
@@ -298,8 +280,9 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, tokenizer_at: st
                     "regenerated": regenerated["file"] if regenerated else None}
 
     def count() -> tuple[torch.Tensor, dict[str, int]]:
-        counts, statuses, tokens = count_answers(rows, held_keys, served.vocab_size, vision)
-        return torch.from_numpy(counts), job_statuses(statuses, tokens, vision)
+        counts, statuses, tokens, dropped = count_answers(rows, held_keys, served.vocab_size,
+                                                          vision)
+        return torch.from_numpy(counts), job_statuses(statuses, tokens, vision, dropped)
 
     vocab, statuses = load_or_build_draft_vocab(output_dir / "draft_vocab.json", cache_source,
                                                 count, served.vocab_size, data.draft_vocab_size)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,6 +45,7 @@ STATUSES = ("kept", "truncated", "dropped_too_long", "dropped_no_answer", "dropp
 IMAGE_STATUSES = ("dropped_image_missing", "dropped_image_unreadable", "dropped_image_overflow",
                   "dropped_image_unsupported")
 ALL_STATUSES = STATUSES + IMAGE_STATUSES
+IMAGE_LOAD_DROPS = ("dropped_image_missing", "dropped_image_unreadable")  # named by the job
 TRAINED = ("kept", "truncated")  # statuses of rows that are trained on
 
 
@@ -123,15 +124,18 @@ def _cut(ids: list[int], mask: list[int], max_length: int,
     return status, ids, mask
 
 
-def job_statuses(statuses: collections.Counter, tokens: int, images: bool) -> dict[str, int]:
+def job_statuses(statuses: collections.Counter, tokens: int, images: bool,
+                 dropped: Sequence[str] = ()) -> dict[str, Any]:
     """What the job reports about its data: every text status, the image ones where they
     occurred (or always, with `images`: a vision-language target's data), the training tokens
-    and, with images, the training images and their bytes."""
+    and, with images, the training images and their bytes, and the images of rows dropped for
+    them (`dropped_images`: each image and why)."""
     reported = {s: statuses[s] for s in ALL_STATUSES if s in STATUSES or images or statuses[s]}
     if images:
         reported.update({name: statuses[name]
                          for name in ("training_images", "training_image_bytes")})
-    return {**reported, "training_tokens": tokens}
+    return {**reported, "training_tokens": tokens,
+            **({"dropped_images": list(dropped)} if dropped else {})}
 
 
 @dataclasses.dataclass

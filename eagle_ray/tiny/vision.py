@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-VL_KIT_VERSION = 1  # bump when anything below changes what gets built
+VL_KIT_VERSION = 2  # bump when anything below changes what gets built
 KINDS = ("qwen2_5_vl", "qwen3_vl")
 HIDDEN = 64  # text hidden size: one attention head of dim 64
 NUM_LAYERS = 8  # EAGLE-3's default aux ids [1, N//2-1, N-4] need N >= 7
@@ -290,7 +290,10 @@ def build_tiny_vl_target(path: str | Path, kind: str = "qwen2_5_vl", seed: int =
     path = Path(path)
     processor = build_vl_processor(kind, seed)
     config = tiny_vl_config(kind, tokenizer=processor.tokenizer)
-    return save_random_target(AutoModelForImageTextToText, config, path, seed, processor)
+    # The image processor's own file too: vLLM builds Qwen2.5-VL's processor class, which
+    # reads its settings from `preprocessor_config.json`, as published checkpoints ship it.
+    return save_random_target(AutoModelForImageTextToText, config, path, seed, processor,
+                              processor.image_processor)
 
 
 def tiny_vl_target(kind: str = "qwen2_5_vl", pretrained: bool = False) -> Path:

@@ -23,8 +23,9 @@ from eagle_ray.contract.images import (
     validate_images,
 )
 from eagle_ray.data.chat import conversation_messages
+from eagle_ray.data.draft_vocab import count_answers
 from eagle_ray.data.images import VisionProcessor, load_image, load_vision_processor
-from eagle_ray.data.ingest import count_answers, read_chats, tokenized, training_rows
+from eagle_ray.data.ingest import read_chats, tokenized, training_rows
 from eagle_ray.data.micro_batches import collate, token_budget_micro_batches
 from eagle_ray.data.tokenize import (
     tokenize_chats,
@@ -237,9 +238,10 @@ def test_ray_data_decodes_images_on_workers_and_batches_carry_them(
     source = read_chats([str(tmp_path / "chats.jsonl"), str(tmp_path / "more.parquet")], 0, 0.25)
     rows = tokenized(source, str(processor_dir), 4096, VOCAB, "truncate", 0.25,
                      image_root=str(pictures)).materialize()
-    counts, statuses, tokens = count_answers(rows, [], VOCAB, images=True)
+    counts, statuses, tokens, dropped = count_answers(rows, [], VOCAB, images=True)
     assert {s: statuses[s] for s in ("kept", "dropped_image_missing", "training_images")} == \
         {"kept": 4, "dropped_image_missing": 1, "training_images": 4}
+    assert dropped == [f"image {pictures / 'nowhere.png'}: no such file"]  # named, with why
     train = training_rows(rows, [])
     config = DataConfig(max_tokens_per_micro_batch=4096, micro_batch_size=8, shuffle_window=8)
     [batch] = list(epoch_micro_batches(train, config, pad_id=0, seed=0))

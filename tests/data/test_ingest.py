@@ -12,10 +12,9 @@ import torch
 from transformers import AutoTokenizer
 
 from eagle_ray.data.chat import conversation_key
-from eagle_ray.data.draft_vocab import answer_token_counts
+from eagle_ray.data.draft_vocab import answer_token_counts, count_answers
 from eagle_ray.data.ingest import (
     TokenizeChats,
-    count_answers,
     held_out,
     read_chats,
     tokenized,
@@ -102,7 +101,7 @@ def test_the_counting_pass_equals_the_in_memory_counts(files, llama_path):
     vocab = len(tokenizer)
     rows = tokenized(read_chats(files["jsonl"], 0, 0.25), str(llama_path), MAX_LENGTH, vocab,
                      "truncate", 0.25)
-    counts, statuses, tokens = count_answers(rows, set(), vocab)
+    counts, statuses, tokens, _ = count_answers(rows, set(), vocab)
     in_memory = tokenize_chats([(str(i), s["messages"]) for i, s in enumerate(SAMPLES)],
                                tokenizer, MAX_LENGTH, vocab)
     assert torch.equal(torch.from_numpy(counts), answer_token_counts(in_memory.rows, vocab))
