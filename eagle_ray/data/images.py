@@ -230,10 +230,12 @@ def has_image_processor(path: str | Path) -> bool:
         return False
 
 
-def load_vision_processor(path: str | Path) -> VisionProcessor | None:
+def load_vision_processor(path: str | Path, pixel_bounds: dict[str, Any] | None = None
+                          ) -> VisionProcessor | None:
     """The target's processor, or None for a text-only target. Without the processor class
     (its video half needs torchvision), the image processor, tokenizer and the folder's chat
-    template are loaded one by one."""
+    template are loaded one by one. `pixel_bounds`: vLLM's `mm_processor_kwargs`, whose
+    `min_pixels` / `max_pixels` the engine applies, so images are resized to what it takes."""
     if not has_image_processor(path):
         return None
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
@@ -241,12 +243,21 @@ def load_vision_processor(path: str | Path) -> VisionProcessor | None:
     try:
         processor = AutoProcessor.from_pretrained(path)
         if getattr(processor, "image_processor", None) is not None:
-            return VisionProcessor.from_processor(processor)
+            return _bounded(VisionProcessor.from_processor(processor), pixel_bounds)
     except Exception as e:  # noqa: BLE001 -- any failure falls back to the parts
         logger.info("%s: AutoProcessor failed (%s); loading its parts", path, e)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return VisionProcessor.from_parts(tokenizer, AutoImageProcessor.from_pretrained(path),
-                                      _folder_chat_template(Path(path)) or tokenizer.chat_template)
+    return _bounded(VisionProcessor.from_parts(
+        tokenizer, AutoImageProcessor.from_pretrained(path),
+        _folder_chat_template(Path(path)) or tokenizer.chat_template), pixel_bounds)
+
+
+def _bounded(vision: VisionProcessor, pixel_bounds: dict[str, Any] | None) -> VisionProcessor:
+    size = vision.image_processor.size
+    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if (pixel_bounds or {}).get(key) is not None:
+            size[edge] = int(pixel_bounds[key])
+    return vision
 
 
 def image_root(paths: str | list[str] | None) -> str | None:

@@ -121,10 +121,10 @@ class TokenizeChats:
     relative to `image_root`)."""
 
     def __init__(self, tokenizer_at: str, max_length: int, vocab_size: int, overlong: str,
-                 image_root: str | None = None) -> None:
+                 image_root: str | None = None, pixel_bounds: dict | None = None) -> None:
         from transformers import AutoTokenizer
 
-        self.vision = load_vision_processor(tokenizer_at)
+        self.vision = load_vision_processor(tokenizer_at, pixel_bounds)
         self.tokenizer = (self.vision.tokenizer if self.vision is not None
                           else AutoTokenizer.from_pretrained(tokenizer_at))
         self.max_length, self.vocab_size, self.overlong = max_length, vocab_size, overlong
@@ -162,9 +162,11 @@ def row_messages(columns: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def tokenized(dataset, tokenizer_at: str, max_length: int, vocab_size: int, overlong: str,
-              cpus_per_task: float, workers: int = 1, image_root: str | None = None):
+              cpus_per_task: float, workers: int = 1, image_root: str | None = None,
+              pixel_bounds: dict | None = None):
     """`dataset` with the tokenisation stage added (lazy: nothing runs until it is read), on
-    `workers` actors (where a vision-language target's images are decoded)."""
+    `workers` actors (where a vision-language target's images are decoded and resized, within
+    `pixel_bounds`: vLLM's `mm_processor_kwargs`)."""
     images = has_image_processor(tokenizer_at)
     return dataset.map_batches(
         TokenizeChats, batch_size=IMAGE_TOKENIZE_BATCH_ROWS if images else TOKENIZE_BATCH_ROWS,
@@ -172,7 +174,7 @@ def tokenized(dataset, tokenizer_at: str, max_length: int, vocab_size: int, over
         num_cpus=cpus_per_task,
         fn_constructor_kwargs={"tokenizer_at": tokenizer_at, "max_length": max_length,
                                "vocab_size": vocab_size, "overlong": overlong,
-                               "image_root": image_root})
+                               "image_root": image_root, "pixel_bounds": pixel_bounds})
 
 
 def tokenized_in_driver(dataset, stage: TokenizeChats):
@@ -267,7 +269,8 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, tokenizer_at: st
         rows, keep = tokenized_in_driver(source, TokenizeChats(*stage)), True
     else:
         rows = tokenized(source, *stage, data.cpus_per_task, data.tokenize_workers,
-                         image_root=image_root(data.path))
+                         image_root=image_root(data.path),
+                         pixel_bounds=config.target.vllm_kwargs.get("mm_processor_kwargs"))
         keep = not vision and input_bytes is not None \
             and input_bytes * TOKENIZED_BYTES_PER_INPUT_BYTE < budget
         if keep:

@@ -56,7 +56,8 @@ def evaluate_on_images(pool: PoolConfig, serving: DraftServing, prompts: EvalPro
     """The evaluation report of a draft for a vision-language target (the shape
     `evaluate_draft`'s has, without vLLM's rows): each prompt's first user turn, its images
     resized and its placeholders expanded by the target's processor."""
-    vision = load_vision_processor(serving.tokenizer or serving.model_path)
+    vision = load_vision_processor(serving.tokenizer or serving.model_path,
+                                   pool.vllm_kwargs.get("mm_processor_kwargs"))
     stops = stop_token_ids(vision.tokenizer)
     n, ks = eval_config.max_new_tokens, eval_config.num_speculative_tokens
     rendered = [image_prompt(vision, p.messages_for_turn(0, [])) for p in prompts.prompts]

@@ -32,11 +32,10 @@ from eagle_ray.data.tokenize import (
     tokenize_image_row,
     tokenize_row,
 )
+from eagle_ray.tiny.vision import build_vl_processor
 from eagle_ray.train.loop import epoch_micro_batches
 
 from pool_helpers import running_ray
-
-build_vl_processor = pytest.importorskip("eagle_ray.tiny.vision").build_vl_processor
 
 VOCAB = 4096
 
@@ -255,3 +254,14 @@ def test_ray_data_decodes_images_on_workers_and_batches_carry_them(
     assert any(np.array_equal(vision.image_processor(images=[s], return_tensors="np")
                               ["pixel_values"], own["pixel_values"]) for s in singles)
     assert int(loss.sum()) == int(counts.sum())
+
+
+def test_vllms_pixel_bounds_resize_images_as_the_engine_will(processor_dir, pictures):
+    """`target.vllm_kwargs.mm_processor_kwargs` bounds what vLLM's processor resizes to; the
+    pipeline resizes within the same bounds, so vLLM resizes nothing again (control: without
+    them, the checkpoint's bounds give a larger image)."""
+    image = Image.open(pictures / "wide.png")
+    unbounded = load_vision_processor(processor_dir).resized(image)
+    bound = 56 * 56
+    bounded = load_vision_processor(processor_dir, {"max_pixels": bound}).resized(image)
+    assert bounded.shape[0] * bounded.shape[1] <= bound < unbounded.shape[0] * unbounded.shape[1]
