@@ -260,12 +260,12 @@ class JobConfig:
             raise ConfigError("regenerate.enabled with a vision-language target: the pool "
                               "regenerates answers from text prompts only; set "
                               "regenerate.enabled: false (train on the data's own answers)")
-        if self.target.takes_images and self.eval.enabled and (
-                self.eval.vllm or any(t != 0 for t in self.eval.temperatures)):
+        if self.target.takes_images and self.eval.enabled and any(
+                t != 0 for t in self.eval.temperatures):
             raise ConfigError(
-                "a vision-language target's draft is measured greedily on the pool's backend "
-                "(eagle_ray.evaluation.images): set eval.vllm: false and eval.temperatures: "
-                "[0.0]")
+                "a vision-language target's draft is measured greedily, on the pool's backend "
+                "and (eval.vllm) by vLLM serving it (eagle_ray.evaluation.images): set "
+                "eval.temperatures: [0.0]")
         if train.steps is None and train.epochs is None:
             train.steps = DEFAULT_STEPS
         if self.regenerate.max_new_tokens is None:

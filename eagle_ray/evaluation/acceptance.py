@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,23 @@ TEMPLATE_TOKENS_PER_TURN = 16  # what a chat template writes around an answer, a
 
 # `(which prompts, their token ids)` -> the answers' token ids, for one turn of a batch.
 Answerer = Callable[[list[int], list[list[int]]], list[list[int]]]
+# `(which prompt, its messages for the turn)` -> the turn's token ids, as the target sees them.
+Renderer = Callable[[int, list[dict[str, Any]]], list[int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptForm:
+    """How a measurement's prompts reach vLLM where a turn is not its chat-template token ids
+    sent as they are: `render` gives a turn's token ids as the target sees them (the engine's
+    room is checked against them, answers are keyed by them), `request(prompt, ids)` the vLLM
+    prompt sent for them; `engine_kwargs` join every engine's arguments and `max_model_len`
+    replaces `eval_max_model_len`'s. A vision-language target's image prompts (their
+    placeholders collapsed, their images beside them: `eagle_ray.evaluation.images`)."""
+
+    render: Renderer
+    request: Callable[[int, list[int]], Any]
+    max_model_len: int
+    engine_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +123,13 @@ def summarise(tallies: Sequence[AcceptanceTally], k: int, bootstrap_samples: int
 
 
 def answer_turn_by_turn(prompts: Sequence[EvalPrompt], tokenizer, answer: Answerer,
-                        max_prompt_tokens: int | None = None
+                        max_prompt_tokens: int | None = None, render: Renderer | None = None
                         ) -> tuple[list[list[list[int]]], dict[int, str]]:
     """Every prompt's turns answered in order (all prompts' turn t in one batch), each answer
     joining the conversation before the next turn. Returns per prompt the token ids of each
     turn's prompt as sent, and the prompts that failed (index -> why): one whose next turn is
-    longer than `max_prompt_tokens` stops there and is counted, not sent."""
+    longer than `max_prompt_tokens` stops there and is counted, not sent. `render` (prompt's
+    index, messages) -> token ids replaces the tokenizer's chat template."""
     sent: list[list[list[int]]] = [[] for _ in prompts]
     answers: list[list[str]] = [[] for _ in prompts]
     failed: dict[int, str] = {}
@@ -121,7 +139,8 @@ def answer_turn_by_turn(prompts: Sequence[EvalPrompt], tokenizer, answer: Answer
             if turn >= len(prompt.turns) or i in failed:
                 continue
             messages = prompt.messages_for_turn(turn, answers[i])
-            ids = prompt_for_turn(tokenizer, messages, len(messages))
+            ids = (prompt_for_turn(tokenizer, messages, len(messages)) if render is None
+                   else render(i, messages))
             if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                 failed[i] = (f"turn {turn + 1} is {len(ids)} tokens, more than the "
                              f"{max_prompt_tokens} the engine leaves before an answer of "
@@ -143,6 +162,7 @@ def vllm_acceptance_table(
     stop_token_ids: Sequence[int] = (), reference: Answerer | None = None,
     bootstrap_samples: int = 1000, seed: int = 0, samples_per_prompt: int = 1,
     served: dict[tuple[int, float], list[ServedAnswer]] | None = None,
+    form: PromptForm | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (k, temperature): `summarise`'s figures, the prompts that failed (counted,
     with why), the draft forwards vLLM ran (`draft_forwards.since`), and at temperature 0 the
@@ -150,18 +170,21 @@ def vllm_acceptance_table(
     speculation must not change them; `reference` answers None for a prompt it does not know,
     which counts as changed). At a temperature above 0 each prompt is answered
     `samples_per_prompt` times (its answers pooled, the bootstrap resampling prompts), and
-    every answer goes into `served[k, temperature]` (for `eagle_ray.evaluation.paired`)."""
+    every answer goes into `served[k, temperature]` (for `eagle_ray.evaluation.paired`).
+    `form`: how the prompts reach vLLM, where not as chat-template token ids (`PromptForm`)."""
     rows = []
-    max_model_len = eval_max_model_len(serving.model_path, prompts, tokenizer, max_new_tokens)
+    max_model_len = form.max_model_len if form is not None else eval_max_model_len(
+        serving.model_path, prompts, tokenizer, max_new_tokens)
     for k in ks:
-        with evaluation_engine(serving, k, max_model_len, seed) as llm:
+        with evaluation_engine(serving, k, max_model_len, seed,
+                               form.engine_kwargs if form is not None else None) as llm:
             for temperature in temperatures:
                 before = draft_forwards.read(llm)
                 answers = None if served is None or temperature == 0 else served.setdefault(
                     (k, temperature), [])
                 rows.append(_measure(llm, prompts, tokenizer, k, temperature, max_new_tokens,
                                      stop_token_ids, reference, bootstrap_samples, seed,
-                                     samples_per_prompt, answers))
+                                     samples_per_prompt, answers, form))
                 rows[-1]["draft_forwards"] = draft_forwards.since(llm, before)
                 logger.info("acceptance k=%d temperature %.1f: %.2f (95%% %.2f-%.2f) over %d "
                             "prompts", k, temperature, rows[-1]["mean_acceptance_length"],
@@ -172,7 +195,8 @@ def vllm_acceptance_table(
 def _measure(llm, prompts: Sequence[EvalPrompt], tokenizer, k: int, temperature: float,
              max_new_tokens: int, stop_token_ids: Sequence[int], reference: Answerer | None,
              bootstrap_samples: int, seed: int, samples_per_prompt: int = 1,
-             served: list[ServedAnswer] | None = None) -> dict[str, Any]:
+             served: list[ServedAnswer] | None = None, form: PromptForm | None = None
+             ) -> dict[str, Any]:
     sampling = Sampling(max_new_tokens, temperature, stop_token_ids=tuple(stop_token_ids))
     copies = samples_per_prompt if temperature > 0 else 1  # greedy answers would repeat
     asked = [prompt for prompt in prompts for _ in range(copies)]
@@ -180,7 +204,8 @@ def _measure(llm, prompts: Sequence[EvalPrompt], tokenizer, k: int, temperature:
     greedy_equal: list[bool] = []
 
     def answer(owners: list[int], batch: list[list[int]]) -> list[list[int]]:
-        outputs = _generate(llm, batch, sampling)
+        outputs = _generate(llm, batch if form is None else [
+            form.request(i // copies, ids) for i, ids in zip(owners, batch, strict=True)], sampling)
         answers = [list(o.outputs[0].token_ids) for o in outputs]
         for i, ids, output in zip(owners, batch, outputs, strict=True):
             metrics = output.outputs[0].spec_decode_metrics
@@ -196,7 +221,8 @@ def _measure(llm, prompts: Sequence[EvalPrompt], tokenizer, k: int, temperature:
         return answers
 
     room = llm.llm_engine.model_config.max_model_len - max_new_tokens
-    _, failed = answer_turn_by_turn(asked, tokenizer, answer, room)
+    _, failed = answer_turn_by_turn(asked, tokenizer, answer, room, None if form is None else (
+        lambda i, messages: form.render(i // copies, messages)))
     per_prompt: dict[int, AcceptanceTally] = {}  # a prompt's answers pooled, failed ones left out
     for i, tally in enumerate(tallies):
         if i not in failed:
@@ -210,18 +236,20 @@ def _measure(llm, prompts: Sequence[EvalPrompt], tokenizer, k: int, temperature:
     return row
 
 
-def _generate(llm, prompts: list[list[int]], sampling: Sampling) -> list[Any]:
-    """vLLM's outputs for token-id prompts. No per-request seed: on vLLM 0.32's CPU build a
-    seeded request's sampled verify steps draw skewed uniforms and leave the target's
-    distribution (docs/training.md, "vLLM at temperature 1"); the engine's own seed
-    (`evaluation_engine`) keeps a run reproducible."""
+def _generate(llm, prompts: Sequence[list[int] | Mapping[str, Any]], sampling: Sampling
+              ) -> list[Any]:
+    """vLLM's outputs for token-id prompts (or vLLM prompts as they are, e.g. with images).
+    No per-request seed: on vLLM 0.32's CPU build a seeded request's sampled verify steps draw
+    skewed uniforms and leave the target's distribution (docs/training.md, "vLLM at
+    temperature 1"); the engine's own seed (`evaluation_engine`) keeps a run reproducible."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                             top_p=sampling.top_p, stop_token_ids=list(sampling.stop_token_ids),
                             detokenize=False)
-    return llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params,
+    return llm.generate([TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p
+                         for p in prompts], params,
                         use_tqdm=False)
 
 
@@ -244,12 +272,13 @@ def eval_max_model_len(model_path: str, prompts: Sequence[EvalPrompt], tokenizer
 
 
 @contextlib.contextmanager
-def evaluation_engine(serving: DraftServing, k: int | None, max_model_len: int, seed: int
-                      ) -> Iterator[Any]:
+def evaluation_engine(serving: DraftServing, k: int | None, max_model_len: int, seed: int,
+                      engine_kwargs: Mapping[str, Any] | None = None) -> Iterator[Any]:
     """vLLM serving the draft as the target's speculative model with `k` tokens per step (as
     `serving.command(k)` does), keeping per-request acceptance counters; with `k` None the same
     engine without the draft (the reference). Its sampling seeded with `seed`; its draft
-    forwards counted (`draft_forwards`); shut down on exit, so the next engine gets the device."""
+    forwards counted (`draft_forwards`); shut down on exit, so the next engine gets the device.
+    `engine_kwargs` join the engine's arguments (a vision-language target's)."""
     from eagle_ray.backends.vllm.runner import serving_engine
 
     kwargs = serving.target_engine_kwargs() if k is None else {
@@ -258,7 +287,8 @@ def evaluation_engine(serving: DraftServing, k: int | None, max_model_len: int, 
     with contextlib.ExitStack() as stack:
         with native_output_to_log():
             llm = stack.enter_context(serving_engine({
-                **kwargs, "max_model_len": max_model_len, "seed": seed}))
+                **kwargs, **(engine_kwargs or {}), "max_model_len": max_model_len,
+                "seed": seed}))
         if k is not None:
             draft_forwards.start_counting(llm)
         yield llm
@@ -275,16 +305,17 @@ class ServedTarget:
     def max_model_len(self) -> int:
         return self.llm.llm_engine.model_config.max_model_len
 
-    def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+    def complete(self, prompts: Sequence[list[int] | Mapping[str, Any]], sampling: Sampling
+                 ) -> list[list[int]]:
         """The generated tokens (stop token included) for each prompt, in one batch."""
         return [list(o.outputs[0].token_ids) for o in _generate(self.llm, prompts, sampling)]
 
 
 @contextlib.contextmanager
-def reference_engine(serving: DraftServing, max_model_len: int, seed: int
-                     ) -> Iterator[ServedTarget]:
+def reference_engine(serving: DraftServing, max_model_len: int, seed: int,
+                     engine_kwargs: Mapping[str, Any] | None = None) -> Iterator[ServedTarget]:
     """The target as `serving` serves it (checkpoint, dtype, tensor-parallel size, tokenizer,
     `max_model_len`, seed) without its draft: the standard reference for "speculative decoding
     changed nothing"."""
-    with evaluation_engine(serving, None, max_model_len, seed) as llm:
+    with evaluation_engine(serving, None, max_model_len, seed, engine_kwargs) as llm:
         yield ServedTarget(llm)
