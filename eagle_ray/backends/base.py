@@ -259,8 +259,9 @@ class RunnerEagle3TargetModel:
         back on `device` (default: the engine's, for a co-located trainer; a pool replica asks
         for "cpu", ready for the object store): docs/contract.md, "Where tensors live".
 
-        `images`: a vision-language target's images of these rows (the processor's output,
-        docs/contract.md "Images"), whose placeholder tokens `input_ids` already holds.
+        `images`: a vision-language target's images of these rows (RGB bytes at the size its
+        processor resizes them to, docs/contract.md "Images"), whose placeholder tokens
+        `input_ids` already holds.
 
         It is `finish_batch(run_engine(...))`: a pool replica runs the two halves on two
         threads, so the engine runs the next micro-batch while the host finishes this one.

@@ -78,7 +78,7 @@ class HFTargetRunner(TargetRunner):
             if images is None:
                 self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             else:
-                positions = self._run_with_images(input_ids, attention_mask, images.to(device))
+                positions = self._run_with_images(input_ids, attention_mask, images)
         finally:
             for handle in handles:
                 handle.remove()
@@ -90,9 +90,8 @@ class HFTargetRunner(TargetRunner):
                          images: ImageInputs) -> torch.Tensor:
         """The multimodal model's forward with explicit M-RoPE positions (its cached rope
         deltas are never consulted); returns their temporal index `[B, S]`, the positions
-        vLLM's proposer gives a draft without M-RoPE."""
-        if self.multimodal is None:
-            raise ValueError("this micro-batch carries images but the target is text-only")
+        vLLM's proposer gives a draft without M-RoPE. The images stay in host memory: the
+        processor reads them there, and only its patches go to the model's device."""
         # The images arrive at the size the processor resizes them to: its resize is the
         # identity here, and it normalises and cuts them into patches.
         features = self.image_processor(images=images.arrays(), return_tensors="pt")

@@ -144,16 +144,18 @@ def temporal_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor,
         return None
     side = vision.patch_size * vision.spatial_merge_size
     grids = iter([(h // side, w // side) for h, w in images.image_sizes.tolist()])
-    positions = torch.zeros_like(input_ids)
-    for row, n in enumerate(attention_mask.sum(dim=1).tolist()):
-        ids = input_ids[row, :n].tolist()
+    # Built as lists and turned into one tensor: an element write per token costs a dispatch.
+    rows = []
+    for ids, n in zip(input_ids.tolist(), attention_mask.sum(dim=1).tolist(), strict=True):
+        row: list[int] = []
         index, i = 0, 0
         while i < n:
             if ids[i] != vision.image_token_id:
-                positions[row, i] = index
+                row.append(index)
                 index, i = index + 1, i + 1
                 continue
             height, width = next(grids)
-            positions[row, i:i + height * width] = index
+            row += [index] * (height * width)
             index, i = index + max(height, width), i + height * width
-    return positions
+        rows.append(row + [0] * (len(ids) - n))
+    return torch.tensor(rows, dtype=input_ids.dtype, device=input_ids.device)
