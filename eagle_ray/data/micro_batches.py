@@ -3,8 +3,8 @@ like length (what training reads), or fixed-size (the baseline the benchmarks co
 
 A row is `(ids, loss_mask)`, or with images `(ids, loss_mask, pixels, image_sizes)` (its images'
 RGB bytes and sizes, `eagle_ray.data.tokenize.tokenize_image_row`); a micro-batch holding any
-image is a 4-tuple
-ending in its `ImageInputs`, every other one the 3-tuple a text job has always had."""
+image is a 4-tuple ending in its `ImageInputs`, every other one the 3-tuple a text job has
+always had."""
 
 from __future__ import annotations
 
@@ -45,17 +45,13 @@ def collate(rows: Iterable[Row | tuple], pad_id: int = 0) -> MicroBatch:
 
 
 def collate_images(rows: list) -> ImageInputs | None:
-    """The images of `rows` as one `ImageInputs`; None where no row has any."""
-    with_images = [row for row in rows if len(row) == 4 and len(row[3])]
-    if not with_images:
-        return None
-    pixels = np.concatenate([np.asarray(row[2], dtype=np.uint8).reshape(-1)
-                             for row in with_images])
-    sizes = np.concatenate([np.asarray(row[3], dtype=np.int64).reshape(-1, 2)
-                            for row in with_images])
-    return ImageInputs(torch.from_numpy(pixels), torch.from_numpy(sizes),
-                       torch.tensor([len(row[3]) if len(row) == 4 else 0 for row in rows],
-                                    dtype=torch.long))
+    """The images of `rows` as one `ImageInputs` (`ImageInputs.concat` of each row's); None
+    where no row has any."""
+    parts = [ImageInputs(torch.from_numpy(np.asarray(row[2], dtype=np.uint8).reshape(-1)),
+                         torch.from_numpy(np.asarray(row[3], dtype=np.int64).reshape(-1, 2)),
+                         torch.tensor([len(row[3])]))
+             if len(row) == 4 and len(row[3]) else None for row in rows]
+    return ImageInputs.concat(parts, [1] * len(rows))
 
 
 def token_budget_micro_batches(rows: Iterable[Row | tuple], max_tokens: int, max_rows: int,
