@@ -93,9 +93,9 @@ class ImageInputs:
         return out
 
     def image_tokens(self, patch_size: int, spatial_merge_size: int) -> list[int]:
-        """Placeholder tokens of each image: one per merged patch of its patch grid."""
-        side = patch_size * spatial_merge_size
-        return [(h // side) * (w // side) for h, w in self.image_sizes.tolist()]
+        """Placeholder tokens of each image (`image_token_count`)."""
+        return [image_token_count(h, w, patch_size, spatial_merge_size)
+                for h, w in self.image_sizes.tolist()]
 
     def image_tokens_per_row(self, patch_size: int, spatial_merge_size: int) -> list[int]:
         """Placeholder tokens each row must hold (`image_tokens`, added up per row)."""
@@ -129,6 +129,12 @@ class ImageInputs:
         return ImageInputs(torch.cat([p.pixels for p in filled]),
                            torch.cat([p.image_sizes for p in filled]),
                            torch.cat([p.images_per_row for p in filled]))
+
+
+def image_token_count(height: int, width: int, patch_size: int, spatial_merge_size: int) -> int:
+    """Placeholder tokens of an image at the processor's size: one per merged patch."""
+    side = patch_size * spatial_merge_size
+    return (height // side) * (width // side)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from eagle_ray.contract.images import ImageInputs, processor_size
+from eagle_ray.contract.images import ImageInputs, image_token_count, processor_size
 from eagle_ray.data.chat import (
     NoAssistantTurn,
     assistant_spans,
@@ -199,8 +199,8 @@ class VisionProcessor:
 
     def image_tokens(self, image: np.ndarray) -> int:
         """Placeholder tokens of a resized image: one per merged patch."""
-        side = self.patch_size * self.merge_size
-        return (image.shape[0] // side) * (image.shape[1] // side)
+        return image_token_count(image.shape[0], image.shape[1], self.patch_size,
+                                 self.merge_size)
 
 
 def no_images() -> tuple[np.ndarray, np.ndarray]:
