@@ -137,6 +137,12 @@ def image_token_count(height: int, width: int, patch_size: int, spatial_merge_si
     return (height // side) * (width // side)
 
 
+# What a micro-batch is everywhere it travels (data -> client -> replica -> engine): input_ids,
+# attention_mask, loss_mask [B, S], and a vision-language micro-batch's images as a fourth.
+MicroBatch = (tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+              | tuple[torch.Tensor, torch.Tensor, torch.Tensor, ImageInputs])
+
+
 @dataclasses.dataclass(frozen=True)
 class ImageTokens:
     """How a vision-language target turns an image into placeholder tokens."""

@@ -15,12 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle_ray.contract.images import ImageInputs
+from eagle_ray.contract.images import ImageInputs, MicroBatch
 from eagle_ray.data.tokenize import Row
-
-# ids, attention, loss [B, S]; and the images, when any row has one
-MicroBatch = (tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-              | tuple[torch.Tensor, torch.Tensor, torch.Tensor, ImageInputs])
 
 
 def collate(rows: Iterable[Row | tuple], pad_id: int = 0) -> MicroBatch:

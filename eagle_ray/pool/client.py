@@ -30,7 +30,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from eagle_ray.backends.base import Sampling
 from eagle_ray.config.pool import ClientConfig
-from eagle_ray.contract.images import ImageInputs
+from eagle_ray.contract.images import ImageInputs, MicroBatch
 from eagle_ray.contract.target_batch import (
     Eagle3TargetBatch,
     validate_micro_batch,
@@ -61,9 +61,6 @@ from eagle_ray.pool.transport import pack_inputs
 
 logger = logging.getLogger(__name__)
 
-# input_ids, attention_mask, loss_mask [B, S], and a vision-language micro-batch's images
-MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, ImageInputs]
 
 
 class PoolClient:

@@ -35,14 +35,10 @@ from typing import Any
 
 import torch
 
-from eagle_ray.contract.images import ImageInputs
+from eagle_ray.contract.images import ImageInputs, MicroBatch
 from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.pool.failures import FailureKind, classify, free_memory
 from eagle_ray.pool.protocol import EngineStats, MicroBatchOutOfMemory
-
-# input_ids, attention, loss [B, S], and a vision-language micro-batch's images
-MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, ImageInputs]
 
 
 @dataclasses.dataclass

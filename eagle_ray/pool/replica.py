@@ -24,9 +24,9 @@ from eagle_ray.backends.base import Sampling
 from eagle_ray.config.pool import PoolConfig
 from eagle_ray.contract.finite import nonfinite_fields
 from eagle_ray.contract.identity import TargetIdentity
-from eagle_ray.contract.images import ImageInputs
+from eagle_ray.contract.images import ImageInputs, MicroBatch
 from eagle_ray.contract.target_batch import Eagle3TargetBatch, validate_prompts
-from eagle_ray.pool.engine_queue import EngineQueue, MicroBatch
+from eagle_ray.pool.engine_queue import EngineQueue
 from eagle_ray.pool.failures import (
     DEATHS_WHILE_STARTING,
     FailureKind,
