@@ -11,7 +11,7 @@ proposer feeds it).
 
 Why bytes and not the processor's `pixel_values`: vLLM takes images, not pixel values, and the
 bytes are 8x fewer (`3 H W` uint8 against `2 x 3 H W` float32 for Qwen2-VL's two temporal
-copies of each patch) for a normalisation the engine runs in milliseconds.
+copies of each patch), in exchange for the engine normalising and patching them itself.
 
 Like `target_batch`, this module imports nothing of eagle_ray, so every layer may import it.
 """
