@@ -351,6 +351,14 @@ def assert_served_in_one_pass(report, kind: str) -> None:
     assert greedy["mean_acceptance_length"] > simulated["untrained"] + 0.3
 
 
+# What the other draft kinds' jobs change from the main job's: the kind, trained and served, is
+# their subject. The pool on the HF backend (quick to start: its supervision equals vLLM's,
+# tests/backends/test_vllm_target.py, and it regenerates the answers as well: the draft learns
+# on the target's own); vLLM serves each export at k = 3, greedy.
+A_KIND_OF_DRAFT = ("target.backend=hf", "train.loggers=[]", "eval.num_speculative_tokens=[3]",
+                   "eval.temperatures=[0.0]")
+
+
 def test_a_peagle_draft_trains_exports_and_vllm_drafts_with_it_in_parallel(local_ray,
                                                                           tmp_path):
     """`draft.kind: peagle` (two layers) through the same job: the export carries what vLLM's
@@ -359,8 +367,7 @@ def test_a_peagle_draft_trains_exports_and_vllm_drafts_with_it_in_parallel(local
     output_dir = tmp_path / "peagle"
     summary = run_job(job(output_dir, "draft.kind=peagle", "draft.num_layers=2",
                           "run_name=peagle-test", "train.ttt_steps=3", "train.workers=1",
-                          "train.loggers=[]", "eval.num_speculative_tokens=[3]",
-                          "eval.temperatures=[0.0]"))
+                          *A_KIND_OF_DRAFT))
     config = json.loads((output_dir / "draft" / "config.json").read_text())
     assert config["eagle_ray_draft_kind"] == "peagle" and config["num_aux_hidden_states"] == 3
     assert config["num_hidden_layers"] == 2
@@ -377,9 +384,7 @@ def test_a_dflash_draft_trains_exports_and_vllm_drafts_a_block_with_it(local_ray
     output_dir = tmp_path / "dflash"
     summary = run_job(job(output_dir, "draft.kind=dflash", "draft.num_layers=2",
                           "target.aux_layer_ids=[1,2,3,4,5]",
-                          "run_name=dflash-test", "train.ttt_steps=3",
-                          "train.loggers=[]", "eval.num_speculative_tokens=[3]",
-                          "eval.temperatures=[0.0]"))
+                          "run_name=dflash-test", "train.ttt_steps=3", *A_KIND_OF_DRAFT))
     config = json.loads((output_dir / "draft" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
     assert config["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [1, 2, 3, 4, 5]}
