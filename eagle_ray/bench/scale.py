@@ -22,6 +22,7 @@ where the rest of the machine went.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import os
@@ -83,8 +84,9 @@ class _TrainerHost:
         # int32 ids and bool masks: 24 KiB, inside the replica call (no object-store put)
         self.batch = (ids.int(), attention.bool(), loss.bool())
         config = ClientConfig(lease_reuse_s=lease_reuse_s)
-        self.clients = [_MeasuredClient.connect(pool_name, NAMESPACE, config)
-                        for _ in range(count)]
+        with concurrent.futures.ThreadPoolExecutor(8) as connecting:  # two router calls each
+            self.clients = list(connecting.map(
+                lambda _: _MeasuredClient.connect(pool_name, NAMESPACE, config), range(count)))
         self.stop = threading.Event()
         self.errors: list[str] = []
         self.threads = [threading.Thread(target=self._train, args=(c,), daemon=True)
@@ -148,6 +150,8 @@ def _measure(trainers: int, replicas: int, seconds: float, warm_up_s: float, per
         sizes = [min(per_host, trainers - i) for i in range(0, trainers, per_host)]
         hosts = [_TrainerHost.remote(pool.config.name, n, step_s, lease_reuse_s)
                  for n in sizes]
+        # Every trainer connected before any streams: connecting is not what is measured.
+        ray.get([h.__ray_ready__.remote() for h in hosts])
         ray.get([h.start.remote() for h in hosts])
         logger.info("scale %dx%d: %d trainers streaming (step %.2fs); warming up %.0fs",
                     trainers, replicas, trainers, step_s, warm_up_s)
