@@ -12,12 +12,12 @@ on outstanding tokens is lifted (as in `bench router`): no lease waits for room 
 what a lease costs is the router's and the clients' own time.
 
 Per setting, over a measurement window after a warm-up: micro-batches/s delivered against the
-replicas' capacity; the lease round trip as trainers see it (`acquire_many` sent to its grant
-read: p50 and p99), against the 1-trainer setting measured in the same run; the router's and the
-controller's CPU seconds per second (from their processes); router calls per micro-batch; the
-share of micro-batches run on a reused lease; and the share of trainer time spent waiting for a
-lease (blocked on a micro-batch that has none yet). The trainer hosts' and replicas' CPU shows
-where the rest of the machine went.
+replicas' capacity; the lease round trip as trainers see it (`acquire_many` sent to the
+router's answer arriving: p50 and p99), against the 1-trainer setting measured in the same run;
+the router's and the controller's CPU seconds per second (from their processes); router calls
+per micro-batch; the share of micro-batches run on a reused lease; and the share of trainer time
+spent waiting for a lease (blocked on a micro-batch that has none yet). The trainer hosts' and
+replicas' CPU shows where the rest of the machine went.
 """
 
 from __future__ import annotations
@@ -52,17 +52,26 @@ WITHOUT_LEASE = (MicroBatchPhase.LEASING, MicroBatchPhase.BACKOFF)
 
 class _MeasuredClient(PoolClient):
     """A `PoolClient` that times what the benchmark reports: each lease round trip (its
-    `acquire_many` sent to the grant read) and the time its caller is blocked on a micro-batch
-    that has no lease yet (`lease_wait_s`; the rest of its blocked time is `stats.wait_seconds`)."""
+    `acquire_many` sent to the router's answer arriving, timed by a callback on the answer, not
+    when the trainer next looks: that waits for its training step) and the time its caller is
+    blocked on a micro-batch that has no lease yet (`lease_wait_s`; the rest of its blocked
+    time is `stats.wait_seconds`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lease_trips: list[float] = []
         self.lease_wait_s = 0.0
+        self._timed: set[ray.ObjectRef] = set()  # router answers timed, still held by items
 
-    def _on_leases(self, ref: ray.ObjectRef, items: list) -> None:
-        self.lease_trips.append(time.monotonic() - items[0].asked_at)
-        super()._on_leases(ref, items)
+    def _ask_for_leases(self) -> None:
+        super()._ask_for_leases()
+        asked = {i.lease_ref: i.asked_at for i in self._inflight.values() if i.lease_ref}
+        self._timed &= asked.keys()  # an answer read since is no item's any more
+        for ref, at in asked.items():
+            if ref not in self._timed:  # timed once, however long it waits to be read
+                self._timed.add(ref)
+                ref.future().add_done_callback(
+                    lambda _, at=at: self.lease_trips.append(time.monotonic() - at))
 
     def _result(self, micro_batch_id: int) -> Any:
         item = self._inflight.get(micro_batch_id)
