@@ -250,7 +250,9 @@ def _emit(results: dict[tuple[int, int], dict[str, Any]], seconds: float, load: 
             against = {"baseline": baseline, "ratio": round(r[metric] / base[metric], 3)} \
                 if base[metric] > 0 else {}  # no CPU tick in the baseline's window: no ratio
             emit("scale", metric, round(r[metric], 5), unit, **setting, **against,
-                 **({"lease_round_trips": r["lease_round_trips"]} if unit == "s" else {}))
+                 # a float: a count the run measured, not a setting (eagle_ray.bench.tables)
+                 **({"lease_round_trips": float(r["lease_round_trips"])} if unit == "s"
+                    else {}))
         emit("scale", "router_calls_per_micro_batch", round(r["router_calls_per_micro_batch"],
                                                               4), "1", **setting)
         emit("scale", "reused_lease_share", round(r["reused_lease_share"], 3), "share",
