@@ -89,6 +89,7 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[str, Any], dict[str, Any]]]] = {
     "transport": ("transport", "run", lambda path, opts: {}),
     "locality": ("locality", "run", lambda path, opts: {}),
     "autoscale": ("autoscale", "run", lambda path, opts: {}),
+    "scale": ("scale", "run", lambda path, opts: {}),
     "train": ("train", "run", lambda path, opts: {"model_path": path}),
     "cache": ("cache", "run", lambda path, opts: {"model_path": path}),
     "ingest": ("ingest", "run", lambda path, opts: {
@@ -119,6 +120,8 @@ QUICK: dict[str, dict[str, Any]] = {
     "transport": {"tokens": 512, "hidden": 256, "repeats": 1},
     "locality": {"count": 4, "tokens": 256, "hidden": 256, "rounds": 1},
     "autoscale": {"max_replicas": 2, "trace_share": 0.1, "peak_trainers": 4},
+    "scale": {"settings": ((1, 1), (4, 2)), "seconds": 2.0, "warm_up_s": 1.0, "nodes": 1,
+              "lease_reuse_s": 0.5},
     "train": {"steps": 2, "rounds": 1, "seq": 64},
     "cache": {"micro_batches": 4},
     "ingest": {"sizes": (200,), "warm_up": 0},

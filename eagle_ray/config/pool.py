@@ -114,6 +114,10 @@ class PoolConfig:
     max_tokens_per_engine_call: int = 16384
     """Padded slots (rows x longest row) of one merged engine call; a larger micro-batch runs
     alone. Also sizes the vLLM hand-off's shared-memory ring (two calls' captured states)."""
+    replica_class: str = "eagle_ray.pool.replica:TargetReplica"
+    """The replica actor, `module:Class`: the pool's own (a target backend behind its engine
+    queue), or a class that answers the same calls (`ready`, `generate_many`) without an engine,
+    as `eagle-ray bench scale`'s light replicas do (64 of them on one small machine)."""
     replica_pipeline: bool = True
     """The engine thread runs only the engine while a second thread turns the previous call's
     output into supervision (shift, encoding, fp8); False: one thread does both in turn (the
@@ -141,6 +145,8 @@ class PoolConfig:
             raise ConfigError(f"lease_grace_s must be > 0, got {self.lease_grace_s}")
         if self.replica_concurrency < 1 or self.max_tokens_per_engine_call < 1:
             raise ConfigError("replica_concurrency and max_tokens_per_engine_call must be >= 1")
+        if ":" not in self.replica_class:
+            raise ConfigError(f"replica_class must be 'module:Class', got {self.replica_class!r}")
         from eagle_ray.backends.engines import ENGINES
 
         engine = ENGINES.get(self.backend)

@@ -4,6 +4,7 @@ controller calls these (`pool/controller.py`, the one owner of a pool's replicas
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 
 import ray
@@ -30,13 +31,14 @@ _NO_GROUP_WARNING = _NoGroupWarning()
 
 
 @functools.cache
-def replica_actor_class(concurrency: int):
-    """The replica actor class accepting `concurrency` micro-batches at once (merged by its
-    EngineQueue); health probes run beside them. (Ray takes concurrency groups only here.)
-    Imported here: the replica brings torch, which `eagle-ray status | shutdown` do without."""
-    from eagle_ray.pool.replica import TargetReplica
-
-    return ray.remote(concurrency_groups={"generate": concurrency, "health": 1})(TargetReplica)
+def replica_actor_class(concurrency: int, class_path: str):
+    """The replica actor class (`PoolConfig.replica_class`) accepting `concurrency` micro-batches
+    at once (merged by its EngineQueue); health probes run beside them. (Ray takes concurrency
+    groups only here.) Imported here: the replica brings torch, which `eagle-ray status |
+    shutdown` do without."""
+    module, name = class_path.split(":")
+    actor = getattr(importlib.import_module(module), name)
+    return ray.remote(concurrency_groups={"generate": concurrency, "health": 1})(actor)
 
 
 def start_replica(config: PoolConfig, index: int) -> tuple[ActorHandle, PlacementGroup]:
@@ -50,7 +52,7 @@ def start_replica(config: PoolConfig, index: int) -> tuple[ActorHandle, Placemen
     """
     group = create_replica_placement_group(config, index)
     logging.getLogger("ray.actor").addFilter(_NO_GROUP_WARNING)  # again: no second copy
-    handle = replica_actor_class(config.replica_concurrency).options(
+    handle = replica_actor_class(config.replica_concurrency, config.replica_class).options(
         name=config.replica_name(index), namespace=config.namespace,
         lifetime="detached",
         max_restarts=-1, max_task_retries=0,
