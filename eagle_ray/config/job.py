@@ -11,6 +11,7 @@ target's own values.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from eagle_ray.config.loader import ConfigError, nested_from_dicts
@@ -80,6 +81,17 @@ class TrainConfig:
     """Linear warm-up steps."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    loss: Literal["forward_kl", "reverse_kl", "jensen_shannon", "total_variation",
+                  "lk_hybrid", "neg_log_acceptance"] = "forward_kl"
+    """What each TTT step or block slot is scored with against the target's draft-vocabulary
+    distribution p (q: the draft's): `forward_kl` (soft cross-entropy -sum p log q, every
+    kind's objective before this key existed), `reverse_kl` KL(q || p), `jensen_shannon`,
+    `total_variation` 1 - alpha with alpha = sum min(p, q) (the acceptance rate),
+    `lk_hybrid` (KL blended into TV as alpha grows, `lk_eta`), `neg_log_acceptance` -log alpha
+    (`eagle_ray/contract/losses.py`, docs/training.md "Losses and optimizers")."""
+    lk_eta: float = 3.0
+    """`loss: lk_hybrid`'s blend temperature eta: weight exp(-eta alpha) on KL, the rest on TV
+    (the LK paper's 3)."""
     grad_clip: float = 0.5
     """Gradient norm clip."""
     max_nonfinite_steps: int = 5
@@ -144,9 +156,16 @@ class DraftSpec:
     anchors_per_row: int = 512
     """DFlash: blocks trained per row, anchored at answer tokens drawn uniformly (SpecForge's
     `num_anchors`)."""
+    loss_weighting: Literal["decay", "dpace"] = "decay"
+    """DFlash: how block slots' losses are weighted: `decay` exp(-(j - 1) / gamma), the DFlash
+    paper's, or `dpace` D-PACE's weights from the draft's confidence in the target's top token
+    at each slot of the block (arXiv 2605.18810; speculators' and ModelOpt's DFlash default)."""
     loss_decay_gamma: float | None = None
-    """DFlash: block slot j's loss weight is exp(-(j - 1) / gamma); None: the paper's choice
-    for the block size (7 for 16, 5 for 10, 4 for 8 and below)."""
+    """DFlash with `loss_weighting: decay`: block slot j's loss weight is exp(-(j - 1) / gamma);
+    None: the paper's choice for the block size (7 for 16, 5 for 10, 4 for 8 and below)."""
+    dpace_alpha: float = 0.5
+    """DFlash with `loss_weighting: dpace`: confidence smoothing (1 - alpha) q + alpha, in
+    (0, 1] (the paper's 0.5)."""
 
 
 @dataclasses.dataclass
@@ -237,19 +256,9 @@ class JobConfig:
         if train.steps is not None and train.epochs is not None:
             raise ConfigError(f"train.steps ({train.steps}) and train.epochs ({train.epochs}) "
                               f"both set: give one (epochs: the job derives the steps)")
-        if train.epochs is not None and train.epochs <= 0:
-            raise ConfigError(f"train.epochs must be > 0, got {train.epochs}")
-        if train.max_nonfinite_steps < 1:
-            raise ConfigError(f"train.max_nonfinite_steps must be >= 1, got "
-                              f"{train.max_nonfinite_steps}")
+        _check_train(train)
         draft = self.draft
-        if draft.num_layers < 1:
-            raise ConfigError(f"draft.num_layers must be >= 1, got {draft.num_layers}")
-        if draft.anchors_per_row < 1:
-            raise ConfigError(f"draft.anchors_per_row must be >= 1, got {draft.anchors_per_row}")
-        if draft.loss_decay_gamma is not None and draft.loss_decay_gamma <= 0:
-            raise ConfigError(f"draft.loss_decay_gamma must be > 0 (or null), got "
-                              f"{draft.loss_decay_gamma}")
+        _check_draft(draft)
         if self.target.takes_images and draft.kind != "eagle3":
             raise ConfigError(
                 f"draft.kind={draft.kind!r} with a vision-language target: vLLM drafts "
@@ -270,3 +279,35 @@ class JobConfig:
             train.steps = DEFAULT_STEPS
         if self.regenerate.max_new_tokens is None:
             self.regenerate.max_new_tokens = self.data.max_length
+
+
+def _check_train(train: TrainConfig) -> None:
+    """Values the types allow and training cannot take, refused as the config loads."""
+    if train.epochs is not None and train.epochs <= 0:
+        raise ConfigError(f"train.epochs must be > 0, got {train.epochs}")
+    if train.max_nonfinite_steps < 1:
+        raise ConfigError(f"train.max_nonfinite_steps must be >= 1, got "
+                          f"{train.max_nonfinite_steps}")
+    if not (math.isfinite(train.lk_eta) and train.lk_eta >= 0):
+        raise ConfigError(f"train.lk_eta must be a finite number >= 0 (the LK paper's 3.0), "
+                          f"got {train.lk_eta}")
+
+
+def _check_draft(draft: DraftSpec) -> None:
+    if draft.num_layers < 1:
+        raise ConfigError(f"draft.num_layers must be >= 1, got {draft.num_layers}")
+    if draft.anchors_per_row < 1:
+        raise ConfigError(f"draft.anchors_per_row must be >= 1, got {draft.anchors_per_row}")
+    if draft.loss_decay_gamma is not None and draft.loss_decay_gamma <= 0:
+        raise ConfigError(f"draft.loss_decay_gamma must be > 0 (or null), got "
+                          f"{draft.loss_decay_gamma}")
+    if not 0 < draft.dpace_alpha <= 1:
+        raise ConfigError(f"draft.dpace_alpha must be in (0, 1] (the paper's 0.5), got "
+                          f"{draft.dpace_alpha}")
+    if draft.loss_weighting == "dpace" and draft.kind != "dflash":
+        raise ConfigError(f"draft.loss_weighting: dpace weights DFlash's block slots; a "
+                          f"draft of kind {draft.kind} weights its TTT steps 0.8^k: set "
+                          f"draft.loss_weighting: decay or draft.kind: dflash")
+    if draft.loss_weighting == "dpace" and draft.loss_decay_gamma is not None:
+        raise ConfigError("draft.loss_decay_gamma is the decay's; with draft.loss_weighting: "
+                          "dpace leave it null")

@@ -28,10 +28,12 @@ import torch
 from eagle_ray.config import ClientConfig, DataConfig, JobConfig, TrainConfig, to_dict
 from eagle_ray.contract.checkpoint import load_embedding_and_head
 from eagle_ray.contract.identity import TargetIdentity
+from eagle_ray.contract.losses import SlotLoss
 from eagle_ray.contract.supervision import DraftVocab, draft_target
 from eagle_ray.contract.target_head import TargetHead
 from eagle_ray.data.micro_batches import padding_share, token_budget_micro_batches
 from eagle_ray.data.supervision_cache import SupervisionCache
+from eagle_ray.draft.dflash import BlockWeighting
 from eagle_ray.draft.export import export_draft
 from eagle_ray.draft.kinds import build_draft
 from eagle_ray.draft.model import DraftConfig
@@ -110,9 +112,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 
 class DraftLearner:
-    """The draft (any kind: its `objective` is the loss of a step),
-    wrapped for DDP, with its optimizer and schedule: one TTT step at a time. A step with a
-    non-finite loss or gradient is skipped on every rank (`guard`, `skipped`).
+    """The draft (any kind: its `objective` is the loss of a step, each slot scored with
+    `train.loss`), wrapped for DDP, with its optimizer and schedule: one TTT step at a time. A
+    step with a non-finite loss or gradient is skipped on every rank (`guard`, `skipped`).
 
     `prepare` wraps the draft for its workers (Ray Train's `prepare_model`: DDP, the device);
     None moves it to `device` unwrapped (one process, as in tests)."""
@@ -125,6 +127,7 @@ class DraftLearner:
         self.vocab, self.draft = vocab, draft
         self.model = prepare(draft) if prepare else draft.to(device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.loss = SlotLoss(train.loss, train.lk_eta)
         self.optimizer = torch.optim.AdamW(self.params, lr=train.lr,
                                            weight_decay=train.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(train))
@@ -146,7 +149,8 @@ class DraftLearner:
         config = DraftConfig.from_target(target_config, vocab.size, train.intermediate_size,
                                          spec.num_layers, len(setup.served.aux_layer_ids))
         draft = build_draft(spec.kind, config, embedding.weight, setup.mask_token_id,
-                            spec.anchors_per_row, spec.loss_decay_gamma)
+                            spec.anchors_per_row, BlockWeighting(
+                                spec.loss_weighting, spec.loss_decay_gamma, spec.dpace_alpha))
         return cls(draft, head, vocab, train, device, ray.train.torch.prepare_model)
 
     def save(self, directory: Path, step: int) -> None:
@@ -185,7 +189,7 @@ class DraftLearner:
               else contextlib.nullcontext()):
             loss, step_losses, step_accuracies = self.draft.objective(
                 self.model, batch.aux_hidden_states, batch.input_ids, batch.loss_mask, probs,
-                position_mask, self.train.ttt_steps, batch.positions)
+                position_mask, self.train.ttt_steps, batch.positions, self.loss)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.train.grad_clip)
