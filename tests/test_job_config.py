@@ -206,15 +206,24 @@ def test_draft_settings_are_checked_as_the_config_loads(draft, message):
 @pytest.mark.parametrize(("train", "message"), [
     ({"loss": "kl"}, r"train.loss must be one of \['forward_kl', 'reverse_kl'"),
     ({"loss_params": {"eta": 3}}, "unknown key train.loss_params.*lk_eta"),
-    ({"loss": "lk_hybrid", "lk_eta": -0.5}, "train.lk_eta must be a finite number >= 0")])
-def test_loss_settings_are_checked_as_the_config_loads(train, message):
+    ({"loss": "lk_hybrid", "lk_eta": -0.5}, "train.lk_eta must be a finite number >= 0"),
+    ({"optimizer": "lion"}, r"train.optimizer must be one of \['adamw', 'muon'\]"),
+    ({"muon_momentum": 1.0}, r"train.muon_momentum must be in \[0, 1\)"),
+    ({"muon_ns_steps": 0}, r"train.muon_ns_steps must be in \[1, 100\)"),
+    ({"muon_lr": 0.0}, "train.muon_lr must be > 0, or null"),
+    ({"muon_weight_decay": -0.1}, "train.muon_weight_decay must be >= 0"),
+    ({"muon_adjust_lr": "moonshot"}, "train.muon_adjust_lr must be one of")])
+def test_loss_and_optimizer_settings_are_checked_as_the_config_loads(train, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(JobConfig, {"train": train})
     # The controls: the defaults, and each choice spelled right, load.
-    config = from_dict(JobConfig, {"train": {"loss": "lk_hybrid", "lk_eta": 1.0},
+    config = from_dict(JobConfig, {"train": {"loss": "lk_hybrid", "lk_eta": 1.0,
+                                             "optimizer": "muon", "muon_lr": 0.02},
                                    "draft": {"kind": "dflash", "loss_weighting": "dpace"}})
-    assert (config.train.loss, config.draft.loss_weighting) == ("lk_hybrid", "dpace")
-    assert from_dict(JobConfig, {}).train.loss == "forward_kl"
+    assert (config.train.loss, config.train.optimizer, config.draft.loss_weighting) == (
+        "lk_hybrid", "muon", "dpace")
+    assert (from_dict(JobConfig, {}).train.loss, from_dict(JobConfig, {}).train.optimizer) == (
+        "forward_kl", "adamw")
 
 
 def test_the_configs_loss_names_are_the_losses_module():

@@ -76,11 +76,29 @@ class TrainConfig:
     """Passes over the training rows, instead of `steps` (not both): the job packs the rows'
     lengths as the workers pack them and trains that many micro-batches per worker."""
     lr: float = 1e-4
-    """AdamW learning rate, after a linear warm-up, then cosine to 10 %."""
+    """AdamW learning rate, after a linear warm-up, then cosine to 10 % (the schedule of every
+    optimizer group)."""
     warmup_steps: int = 20
     """Linear warm-up steps."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """`adamw`: AdamW over every trained weight. `muon`: torch's Muon (Newton-Schulz
+    orthogonalised momentum) over the draft's 2-D weight matrices, AdamW (`lr`,
+    `weight_decay`) over the rest -- norms, `lm_head`, P-EAGLE's `mask_hidden` -- as
+    speculators 0.9 splits them (docs/training.md, "Losses and optimizers")."""
+    muon_lr: float | None = None
+    """Muon's learning rate (`optimizer: muon`); None: `lr`."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov), in [0, 1)."""
+    muon_weight_decay: float = 0.1
+    """Muon's decoupled weight decay."""
+    muon_ns_steps: int = 5
+    """Muon's Newton-Schulz iterations."""
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    """How Muon scales its learning rate by a matrix's shape: `match_rms_adamw` (Moonshot's
+    0.2 sqrt(max(A, B)): updates of AdamW's size, so AdamW's `lr` carries over) or `original`
+    (Keller Jordan's sqrt(max(1, A / B)))."""
     loss: Literal["forward_kl", "reverse_kl", "jensen_shannon", "total_variation",
                   "lk_hybrid", "neg_log_acceptance"] = "forward_kl"
     """What each TTT step or block slot is scored with against the target's draft-vocabulary
@@ -291,6 +309,18 @@ def _check_train(train: TrainConfig) -> None:
     if not (math.isfinite(train.lk_eta) and train.lk_eta >= 0):
         raise ConfigError(f"train.lk_eta must be a finite number >= 0 (the LK paper's 3.0), "
                           f"got {train.lk_eta}")
+    if train.muon_lr is not None and not train.muon_lr > 0:
+        raise ConfigError(f"train.muon_lr must be > 0, or null for train.lr, got "
+                          f"{train.muon_lr}")
+    if not 0 <= train.muon_momentum < 1:
+        raise ConfigError(f"train.muon_momentum must be in [0, 1) (speculators' 0.95), got "
+                          f"{train.muon_momentum}")
+    if train.muon_weight_decay < 0:
+        raise ConfigError(f"train.muon_weight_decay must be >= 0, got "
+                          f"{train.muon_weight_decay}")
+    if not 1 <= train.muon_ns_steps < 100:
+        raise ConfigError(f"train.muon_ns_steps must be in [1, 100) (torch's Muon; 5 is "
+                          f"Keller Jordan's), got {train.muon_ns_steps}")
 
 
 def _check_draft(draft: DraftSpec) -> None:
