@@ -46,5 +46,11 @@ if [ "$flavour" = cpu ]; then
 else
   pip_install -q -e ".[gpu${extras:+,$extras}]"
 fi
+# The loss tests' second oracle (tests/loss_oracles.py): speculators' own loss and optimizer
+# functions. Test-only, and without its dependencies (its data pipeline, servers, ...): the tests
+# read only its torch-only modules, and eagle_ray never imports it.
+case ",$extras," in
+  *,dev,*) pip_install -q --no-deps "speculators==0.9.0" ;;
+esac
 echo "$want" > "$stamp"
 echo "environment ready: $venv ($flavour)" >&2

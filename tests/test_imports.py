@@ -108,6 +108,18 @@ def test_nothing_in_the_package_imports_the_vllm_plugins():
     assert importers == []
 
 
+def test_nothing_in_the_package_imports_speculators():
+    """speculators is the loss tests' oracle (installed for tests only), never the product's."""
+    importers = []
+    for name, path in all_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "speculators" or n.startswith("speculators.") for n in names):
+                importers.append(name)
+    assert importers == []
+
+
 def test_contract_and_hf_backend_import_neither_ray_nor_vllm():
     contract = sorted(m for m in all_modules() if m.startswith("eagle_ray.contract."))
     assert len(contract) >= 7, contract

@@ -192,10 +192,48 @@ def test_an_eagle3_draft_reads_three_layers_and_the_others_any_number(family_che
 
 @pytest.mark.parametrize(("draft", "message"), [
     ({"kind": "medusa"}, "draft.kind"), ({"anchors_per_row": 0}, "draft.anchors_per_row"),
-    ({"loss_decay_gamma": -1.0}, "draft.loss_decay_gamma"), ({"num_layers": 0}, "num_layers")])
+    ({"loss_decay_gamma": -1.0}, "draft.loss_decay_gamma"), ({"num_layers": 0}, "num_layers"),
+    ({"loss_weighting": "exp"}, r"draft.loss_weighting must be one of \['decay', 'dpace'\]"),
+    ({"loss_weighting": "dpace"}, "dpace weights DFlash's block slots.*draft.kind: dflash"),
+    ({"kind": "dflash", "loss_weighting": "dpace", "loss_decay_gamma": 4.0},
+     "draft.loss_decay_gamma is the decay's"),
+    ({"kind": "dflash", "dpace_alpha": 0.0}, r"draft.dpace_alpha must be in \(0, 1\]")])
 def test_draft_settings_are_checked_as_the_config_loads(draft, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(JobConfig, {"draft": draft})
+
+
+@pytest.mark.parametrize(("train", "message"), [
+    ({"loss": "kl"}, r"train.loss must be one of \['forward_kl', 'reverse_kl'"),
+    ({"loss_params": {"eta": 3}}, "unknown key train.loss_params.*lk_eta"),
+    ({"loss": "lk_hybrid", "lk_eta": -0.5}, "train.lk_eta must be a finite number >= 0"),
+    ({"optimizer": "lion"}, r"train.optimizer must be one of \['adamw', 'muon'\]"),
+    ({"muon_momentum": 1.0}, r"train.muon_momentum must be in \[0, 1\)"),
+    ({"muon_ns_steps": 0}, r"train.muon_ns_steps must be in \[1, 100\)"),
+    ({"muon_lr": 0.0}, "train.muon_lr must be > 0, or null"),
+    ({"muon_weight_decay": -0.1}, "train.muon_weight_decay must be >= 0"),
+    ({"muon_adjust_lr": "moonshot"}, "train.muon_adjust_lr must be one of")])
+def test_loss_and_optimizer_settings_are_checked_as_the_config_loads(train, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(JobConfig, {"train": train})
+    # The controls: the defaults, and each choice spelled right, load.
+    config = from_dict(JobConfig, {"train": {"loss": "lk_hybrid", "lk_eta": 1.0,
+                                             "optimizer": "muon", "muon_lr": 0.02},
+                                   "draft": {"kind": "dflash", "loss_weighting": "dpace"}})
+    assert (config.train.loss, config.train.optimizer, config.draft.loss_weighting) == (
+        "lk_hybrid", "muon", "dpace")
+    assert (from_dict(JobConfig, {}).train.loss, from_dict(JobConfig, {}).train.optimizer) == (
+        "forward_kl", "adamw")
+
+
+def test_the_configs_loss_names_are_the_losses_module():
+    """`config` imports nothing of the contract: its Literal repeats the names, checked here."""
+    import typing
+
+    from eagle_ray.config.job import TrainConfig
+    from eagle_ray.contract.losses import LOSSES
+
+    assert typing.get_args(typing.get_type_hints(TrainConfig)["loss"]) == tuple(LOSSES)
 
 
 def test_epochs_replace_steps_and_a_regeneration_may_be_as_long_as_a_row():

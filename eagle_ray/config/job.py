@@ -11,6 +11,7 @@ target's own values.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from eagle_ray.config.loader import ConfigError, nested_from_dicts
@@ -75,11 +76,40 @@ class TrainConfig:
     """Passes over the training rows, instead of `steps` (not both): the job packs the rows'
     lengths as the workers pack them and trains that many micro-batches per worker."""
     lr: float = 1e-4
-    """AdamW learning rate, after a linear warm-up, then cosine to 10 %."""
+    """AdamW learning rate, after a linear warm-up, then cosine to 10 % (the schedule of every
+    optimizer group)."""
     warmup_steps: int = 20
     """Linear warm-up steps."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """`adamw`: AdamW over every trained weight. `muon`: torch's Muon (Newton-Schulz
+    orthogonalised momentum) over the draft's 2-D weight matrices, AdamW (`lr`,
+    `weight_decay`) over the rest -- norms, `lm_head`, P-EAGLE's `mask_hidden` -- as
+    speculators 0.9 splits them (docs/training.md, "Losses and optimizers")."""
+    muon_lr: float | None = None
+    """Muon's learning rate (`optimizer: muon`); None: `lr`."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov), in [0, 1)."""
+    muon_weight_decay: float = 0.1
+    """Muon's decoupled weight decay."""
+    muon_ns_steps: int = 5
+    """Muon's Newton-Schulz iterations."""
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    """How Muon scales its learning rate by a matrix's shape: `match_rms_adamw` (Moonshot's
+    0.2 sqrt(max(A, B)): updates of AdamW's size, so AdamW's `lr` carries over) or `original`
+    (Keller Jordan's sqrt(max(1, A / B)))."""
+    loss: Literal["forward_kl", "reverse_kl", "jensen_shannon", "total_variation",
+                  "lk_hybrid", "neg_log_acceptance"] = "forward_kl"
+    """What each TTT step or block slot is scored with against the target's draft-vocabulary
+    distribution p (q: the draft's): `forward_kl` (soft cross-entropy -sum p log q, every
+    kind's objective before this key existed), `reverse_kl` KL(q || p), `jensen_shannon`,
+    `total_variation` 1 - alpha with alpha = sum min(p, q) (the acceptance rate),
+    `lk_hybrid` (KL blended into TV as alpha grows, `lk_eta`), `neg_log_acceptance` -log alpha
+    (`eagle_ray/contract/losses.py`, docs/training.md "Losses and optimizers")."""
+    lk_eta: float = 3.0
+    """`loss: lk_hybrid`'s blend temperature eta: weight exp(-eta alpha) on KL, the rest on TV
+    (the LK paper's 3)."""
     grad_clip: float = 0.5
     """Gradient norm clip."""
     max_nonfinite_steps: int = 5
@@ -144,9 +174,16 @@ class DraftSpec:
     anchors_per_row: int = 512
     """DFlash: blocks trained per row, anchored at answer tokens drawn uniformly (SpecForge's
     `num_anchors`)."""
+    loss_weighting: Literal["decay", "dpace"] = "decay"
+    """DFlash: how block slots' losses are weighted: `decay` exp(-(j - 1) / gamma), the DFlash
+    paper's, or `dpace` D-PACE's weights from the draft's confidence in the target's top token
+    at each slot of the block (arXiv 2605.18810; speculators' and ModelOpt's DFlash default)."""
     loss_decay_gamma: float | None = None
-    """DFlash: block slot j's loss weight is exp(-(j - 1) / gamma); None: the paper's choice
-    for the block size (7 for 16, 5 for 10, 4 for 8 and below)."""
+    """DFlash with `loss_weighting: decay`: block slot j's loss weight is exp(-(j - 1) / gamma);
+    None: the paper's choice for the block size (7 for 16, 5 for 10, 4 for 8 and below)."""
+    dpace_alpha: float = 0.5
+    """DFlash with `loss_weighting: dpace`: confidence smoothing (1 - alpha) q + alpha, in
+    (0, 1] (the paper's 0.5)."""
 
 
 @dataclasses.dataclass
@@ -237,19 +274,9 @@ class JobConfig:
         if train.steps is not None and train.epochs is not None:
             raise ConfigError(f"train.steps ({train.steps}) and train.epochs ({train.epochs}) "
                               f"both set: give one (epochs: the job derives the steps)")
-        if train.epochs is not None and train.epochs <= 0:
-            raise ConfigError(f"train.epochs must be > 0, got {train.epochs}")
-        if train.max_nonfinite_steps < 1:
-            raise ConfigError(f"train.max_nonfinite_steps must be >= 1, got "
-                              f"{train.max_nonfinite_steps}")
+        _check_train(train)
         draft = self.draft
-        if draft.num_layers < 1:
-            raise ConfigError(f"draft.num_layers must be >= 1, got {draft.num_layers}")
-        if draft.anchors_per_row < 1:
-            raise ConfigError(f"draft.anchors_per_row must be >= 1, got {draft.anchors_per_row}")
-        if draft.loss_decay_gamma is not None and draft.loss_decay_gamma <= 0:
-            raise ConfigError(f"draft.loss_decay_gamma must be > 0 (or null), got "
-                              f"{draft.loss_decay_gamma}")
+        _check_draft(draft)
         if self.target.takes_images and draft.kind != "eagle3":
             raise ConfigError(
                 f"draft.kind={draft.kind!r} with a vision-language target: vLLM drafts "
@@ -270,3 +297,47 @@ class JobConfig:
             train.steps = DEFAULT_STEPS
         if self.regenerate.max_new_tokens is None:
             self.regenerate.max_new_tokens = self.data.max_length
+
+
+def _check_train(train: TrainConfig) -> None:
+    """Values the types allow and training cannot take, refused as the config loads."""
+    if train.epochs is not None and train.epochs <= 0:
+        raise ConfigError(f"train.epochs must be > 0, got {train.epochs}")
+    if train.max_nonfinite_steps < 1:
+        raise ConfigError(f"train.max_nonfinite_steps must be >= 1, got "
+                          f"{train.max_nonfinite_steps}")
+    if not (math.isfinite(train.lk_eta) and train.lk_eta >= 0):
+        raise ConfigError(f"train.lk_eta must be a finite number >= 0 (the LK paper's 3.0), "
+                          f"got {train.lk_eta}")
+    if train.muon_lr is not None and not train.muon_lr > 0:
+        raise ConfigError(f"train.muon_lr must be > 0, or null for train.lr, got "
+                          f"{train.muon_lr}")
+    if not 0 <= train.muon_momentum < 1:
+        raise ConfigError(f"train.muon_momentum must be in [0, 1) (speculators' 0.95), got "
+                          f"{train.muon_momentum}")
+    if train.muon_weight_decay < 0:
+        raise ConfigError(f"train.muon_weight_decay must be >= 0, got "
+                          f"{train.muon_weight_decay}")
+    if not 1 <= train.muon_ns_steps < 100:
+        raise ConfigError(f"train.muon_ns_steps must be in [1, 100) (torch's Muon; 5 is "
+                          f"Keller Jordan's), got {train.muon_ns_steps}")
+
+
+def _check_draft(draft: DraftSpec) -> None:
+    if draft.num_layers < 1:
+        raise ConfigError(f"draft.num_layers must be >= 1, got {draft.num_layers}")
+    if draft.anchors_per_row < 1:
+        raise ConfigError(f"draft.anchors_per_row must be >= 1, got {draft.anchors_per_row}")
+    if draft.loss_decay_gamma is not None and draft.loss_decay_gamma <= 0:
+        raise ConfigError(f"draft.loss_decay_gamma must be > 0 (or null), got "
+                          f"{draft.loss_decay_gamma}")
+    if not 0 < draft.dpace_alpha <= 1:
+        raise ConfigError(f"draft.dpace_alpha must be in (0, 1] (the paper's 0.5), got "
+                          f"{draft.dpace_alpha}")
+    if draft.loss_weighting == "dpace" and draft.kind != "dflash":
+        raise ConfigError(f"draft.loss_weighting: dpace weights DFlash's block slots; a "
+                          f"draft of kind {draft.kind} weights its TTT steps 0.8^k: set "
+                          f"draft.loss_weighting: decay or draft.kind: dflash")
+    if draft.loss_weighting == "dpace" and draft.loss_decay_gamma is not None:
+        raise ConfigError("draft.loss_decay_gamma is the decay's; with draft.loss_weighting: "
+                          "dpace leave it null")

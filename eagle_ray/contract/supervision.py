@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from eagle_ray.contract.losses import FORWARD_KL
 from eagle_ray.contract.target_batch import Eagle3TargetBatch
 from eagle_ray.devices import hand_over
 
@@ -165,8 +166,6 @@ def soft_cross_entropy(
     position_mask: torch.Tensor,
     loss_mask: torch.Tensor,
 ) -> torch.Tensor:
-    """Mean soft cross-entropy over slots where both `loss_mask` and `position_mask` hold."""
-    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
-    per_slot = -(target_probs * log_probs).sum(dim=-1)
-    weight = (loss_mask.bool() & position_mask.bool()).float()
-    return (per_slot * weight).sum() / weight.sum().clamp_min(1.0)
+    """Mean soft cross-entropy over slots where both `loss_mask` and `position_mask` hold
+    (`train.loss: forward_kl`, the default; the others are in `contract/losses.py`)."""
+    return FORWARD_KL.mean(draft_logits, target_probs, position_mask, loss_mask)

@@ -11,20 +11,30 @@ non-causally, to the whole block; block slot j's output is the draft token at it
 Training (the references' objective): anchors are answer positions; each anchor's block holds
 its token and `block_size - 1` masks, sees the context strictly before the anchor and its own
 block, and slot j is scored against the target at the anchor + j, weighted exp(-(j - 1) / gamma),
-a weighted mean over every block's supervised slots. Here the target is the target's next-token
-distribution over the draft vocabulary (soft cross-entropy, as every draft this project trains),
-where the references use the hard next token; `block_size` is `train.ttt_steps + 1`.
+a weighted mean over every block's supervised slots -- or D-PACE's weights (`BlockWeighting`).
+Here the target is the target's next-token distribution over the draft vocabulary, scored with
+`train.loss` as every kind is (soft cross-entropy by default), where the references use the hard
+next token; `block_size` is `train.ttt_steps + 1`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Literal
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eagle_ray.contract.supervision import soft_cross_entropy
+from eagle_ray.contract.losses import (
+    DPACE_ALPHA,
+    FORWARD_KL,
+    SlotLoss,
+    dpace_weights,
+    masked_mean,
+    top_token_confidence,
+)
 from eagle_ray.draft.attention import grouped_query_attention
 from eagle_ray.draft.model import (
     DraftConfig,
@@ -41,6 +51,49 @@ ANCHORS_PER_ROW = 512  # SpecForge's default `num_anchors`
 def default_decay_gamma(block_size: int) -> float:
     """The paper's loss decay for a block size (7 for 16, 5 for 10, 4 for 8 and below)."""
     return 7.0 if block_size >= 16 else 5.0 if block_size >= 10 else 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWeighting:
+    """How the block loss weights its slots (`draft.loss_weighting`).
+
+    `decay`: slot j's weight is exp(-(j - 1) / gamma) (`decay_gamma`; None: the paper's for the
+    block size), a weighted mean over the supervised slots. `dpace`: D-PACE (arXiv 2605.18810;
+    speculators `dpace_loss_decay`, its DFlash default, and ModelOpt's): each slot's weight is
+    its share of the block's expected accepted length, from the draft's confidence in the
+    target's top token at every slot of the block (`losses.dpace_weights`, smoothed by
+    `dpace_alpha`); the weighted sum is divided by the supervised slots' count, as speculators'
+    `loss_function` divides it (the weights' sum would cancel the credit they carry)."""
+
+    kind: Literal["decay", "dpace"] = "decay"
+    decay_gamma: float | None = None
+    dpace_alpha: float = DPACE_ALPHA
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("decay", "dpace"):
+            raise ValueError(f"unknown block weighting {self.kind!r}; choose decay or dpace")
+        if not 0.0 < self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
+
+    def combine(self, per_slot: list[torch.Tensor], valid: list[torch.Tensor],
+                means: list[torch.Tensor], confidence: list[torch.Tensor]) -> torch.Tensor:
+        """The block loss from slot j's per-block losses, masks and (D-PACE) confidences
+        `[B, A]` and its mean loss over the supervised blocks, j = 1 .. depth."""
+        if self.kind == "dpace":
+            losses, masks = torch.stack(per_slot, -1), torch.stack(valid, -1)
+            weights = dpace_weights(torch.stack(confidence, -1), masks, self.dpace_alpha)
+            return (weights * losses * masks).sum() / masks.sum().clamp_min(1)
+        gamma = self.decay_gamma or default_decay_gamma(len(per_slot) + 1)
+        weighted = counted = torch.zeros((), device=per_slot[0].device)
+        for j, (mean, mask) in enumerate(zip(means, valid, strict=True), start=1):
+            slots = mask.sum()
+            weight = math.exp(-(j - 1) / gamma)
+            weighted = weighted + weight * mean * slots
+            counted = counted + weight * slots
+        return weighted / counted.clamp_min(1e-6)
+
+
+DECAY = BlockWeighting()  # today's default: the paper's exponential decay
 
 
 class DFlashAttention(nn.Module):
@@ -142,14 +195,14 @@ class DFlashDraft(nn.Module):
 
     def __init__(self, config: DraftConfig, mask_token_id: int,
                  embedding_weight: torch.Tensor | None = None,
-                 anchors_per_row: int = ANCHORS_PER_ROW, decay_gamma: float | None = None
-                 ) -> None:
+                 anchors_per_row: int = ANCHORS_PER_ROW,
+                 weighting: BlockWeighting = DECAY) -> None:
         super().__init__()
         if not 0 <= mask_token_id < config.vocab_size:
             raise ValueError(f"mask_token_id {mask_token_id} is outside the target's vocabulary "
                              f"[0, {config.vocab_size})")
         self.config, self.mask_token_id = config, mask_token_id
-        self.anchors_per_row, self.decay_gamma = anchors_per_row, decay_gamma
+        self.anchors_per_row, self.weighting = anchors_per_row, weighting
         self.embed_tokens = frozen_embedding(config, embedding_weight)
         self.fc = feature_projection(config)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -159,7 +212,7 @@ class DFlashDraft(nn.Module):
 
     def untrained(self, embedding_weight: torch.Tensor | None = None) -> DFlashDraft:
         return DFlashDraft(self.config, self.mask_token_id, embedding_weight,
-                           self.anchors_per_row, self.decay_gamma)
+                           self.anchors_per_row, self.weighting)
 
     def forward(self, aux_hidden_states: torch.Tensor, anchors: torch.Tensor,
                 block_ids: torch.Tensor) -> torch.Tensor:
@@ -183,11 +236,13 @@ class DFlashDraft(nn.Module):
 
     def objective(self, model: nn.Module, aux_hidden_states: torch.Tensor,
                   input_ids: torch.Tensor, loss_mask: torch.Tensor, target_probs: torch.Tensor,
-                  position_mask: torch.Tensor, depth: int, positions: torch.Tensor | None = None
+                  position_mask: torch.Tensor, depth: int, positions: torch.Tensor | None = None,
+                  loss: SlotLoss = FORWARD_KL
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block loss over shifted supervision (docs/contract.md, "Shift"), blocks of
-        `depth + 1`; per-depth loss and accuracy `[depth]` (detached). `model` is this draft
-        or its DDP wrapper (the forward runs through it).
+        `depth + 1`, each slot scored with `loss` (`train.loss`) and weighted by `weighting`;
+        per-depth loss and accuracy `[depth]` (detached). `model` is this draft or its DDP
+        wrapper (the forward runs through it).
 
         An anchor at slot b reads context slots <= b; its block holds `input_ids[b]` (the token
         at position b + 1, vLLM's bonus token) and masks; slot j predicts the token at position
@@ -202,9 +257,7 @@ class DFlashDraft(nn.Module):
         block[..., 0] = input_ids.gather(1, anchors)
         logits = model(aux_hidden_states, anchors, block)
         seq, vocab = input_ids.shape[1], target_probs.shape[-1]
-        gamma = self.decay_gamma or default_decay_gamma(depth + 1)
-        weighted = counted = torch.zeros((), device=aux_hidden_states.device)
-        losses, accuracies = [], []
+        per_slot, valids, confidences, accuracies = [], [], [], []
         answers, targeted = loss_mask.bool(), position_mask.bool()
         for j in range(1, depth + 1):
             source, label = anchors + j - 1, anchors + j
@@ -213,17 +266,17 @@ class DFlashDraft(nn.Module):
             probs = target_probs.gather(
                 1, source.clamp(max=seq - 1).unsqueeze(-1).expand(-1, -1, vocab))
             step_logits = logits[:, :, j]
-            loss = checkpoint(soft_cross_entropy, step_logits, probs, valid, valid,
-                              use_reentrant=False)
-            slots = valid.sum()
-            weight = math.exp(-(j - 1) / gamma)
-            weighted = weighted + weight * loss * slots
-            counted = counted + weight * slots
+            # Recomputed in backward: only the logits are kept, not their fp32 softmax.
+            per_slot.append(checkpoint(loss.per_slot, step_logits, probs, use_reentrant=False))
+            valids.append(valid)
+            if self.weighting.kind == "dpace":
+                confidences.append(top_token_confidence(step_logits, probs))
             hits = (step_logits.argmax(-1) == probs.argmax(-1)) & valid
-            losses.append(loss.detach())
-            accuracies.append(hits.sum() / slots.clamp_min(1))
-        return (weighted / counted.clamp_min(1e-6), torch.stack(losses),
-                torch.stack(accuracies).float())
+            accuracies.append(hits.sum() / valid.sum().clamp_min(1))
+        means = [masked_mean(slot_loss, valid, valid)
+                 for slot_loss, valid in zip(per_slot, valids, strict=True)]
+        return (self.weighting.combine(per_slot, valids, means, confidences),
+                torch.stack(means).detach(), torch.stack(accuracies).float())
 
     def propose(self, aux_hidden_states: torch.Tensor, seq: list[int], next_token: int, k: int,
                 draft_to_target: torch.Tensor) -> list[int]:

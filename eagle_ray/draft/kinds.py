@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eagle_ray.draft.dflash import ANCHORS_PER_ROW, DFlashDraft
+from eagle_ray.draft.dflash import ANCHORS_PER_ROW, DECAY, BlockWeighting, DFlashDraft
 from eagle_ray.draft.model import DraftConfig, Eagle3Draft
 from eagle_ray.draft.peagle import PEagleDraft
 
@@ -26,14 +26,14 @@ def draft_class(kind: str) -> type[Eagle3Draft] | type[DFlashDraft]:
 
 def build_draft(kind: str, config: DraftConfig, embedding_weight: torch.Tensor | None = None,
                 mask_token_id: int | None = None, anchors_per_row: int = ANCHORS_PER_ROW,
-                decay_gamma: float | None = None) -> nn.Module:
+                weighting: BlockWeighting = DECAY) -> nn.Module:
     """A freshly initialised draft of `kind` (`mask_token_id` required where it reads one;
-    `anchors_per_row` and `decay_gamma` are DFlash's training settings)."""
+    `anchors_per_row` and `weighting` are DFlash's training settings)."""
     cls = draft_class(kind)
     if not cls.reads_mask_token:
         return cls(config, embedding_weight)
     if mask_token_id is None:
         raise ValueError(f"a {kind} draft reads a mask token: pass mask_token_id")
     if cls is DFlashDraft:  # its training settings
-        return cls(config, mask_token_id, embedding_weight, anchors_per_row, decay_gamma)
+        return cls(config, mask_token_id, embedding_weight, anchors_per_row, weighting)
     return cls(config, mask_token_id, embedding_weight)

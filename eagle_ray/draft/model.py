@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eagle_ray.contract.supervision import soft_cross_entropy
+from eagle_ray.contract.losses import FORWARD_KL, SlotLoss
 from eagle_ray.draft.attention import AttentionFn, ttt_attention
 
 TTT_STEP_WEIGHT = 0.8  # loss of step k is weighted 0.8 ** k
@@ -251,13 +251,15 @@ class Eagle3Draft(nn.Module):
 
     def objective(self, model: nn.Module, aux_hidden_states: torch.Tensor,
                   input_ids: torch.Tensor, loss_mask: torch.Tensor, target_probs: torch.Tensor,
-                  position_mask: torch.Tensor, depth: int, positions: torch.Tensor | None = None
+                  position_mask: torch.Tensor, depth: int, positions: torch.Tensor | None = None,
+                  loss: SlotLoss = FORWARD_KL
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The TTT loss over `depth` steps reading this kind's `step_inputs` (`ttt_loss`);
         `model` is this draft or its DDP wrapper (the forward runs through it); `positions`:
-        the supervision's, where slots do not sit at 0 .. S-1."""
+        the supervision's, where slots do not sit at 0 .. S-1; `loss`: `train.loss`."""
         return ttt_loss(model, aux_hidden_states, input_ids, loss_mask, target_probs,
-                        position_mask, depth, self.step_inputs(input_ids, depth), positions)
+                        position_mask, depth, self.step_inputs(input_ids, depth), positions,
+                        loss)
 
     def step_inputs(self, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
         return chain_step_inputs(input_ids, steps)  # the tokens each training step reads
@@ -301,7 +303,7 @@ def chain_step_inputs(input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]
 def ttt_loss(draft: nn.Module, aux_hidden_states: torch.Tensor, input_ids: torch.Tensor,
              loss_mask: torch.Tensor, target_probs: torch.Tensor, position_mask: torch.Tensor,
              ttt_steps: int, step_input_ids: list[torch.Tensor] | None = None,
-             positions: torch.Tensor | None = None
+             positions: torch.Tensor | None = None, loss: SlotLoss = FORWARD_KL
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted TTT loss over shifted supervision (docs/contract.md, "Shift"), plus per-step
     loss and accuracy `[ttt_steps]` (detached, on the loss's device: reading them is the
@@ -309,8 +311,9 @@ def ttt_loss(draft: nn.Module, aux_hidden_states: torch.Tensor, input_ids: torch
 
     Step k at slot t is scored against the target at slot t + k, weighted 0.8 ** k, whatever
     the draft's kind: `step_input_ids` are what each step reads (the draft's `step_inputs`;
-    None: EAGLE-3's chain). Accuracy is the share of supervised slots where the draft's argmax
-    equals the target's argmax within the draft vocabulary.
+    None: EAGLE-3's chain); `loss` scores each slot (`train.loss`). Accuracy is the share of
+    supervised slots where the draft's argmax equals the target's argmax within the draft
+    vocabulary.
     """
     steps = step_input_ids or chain_step_inputs(input_ids, ttt_steps)
     logits = draft(aux_hidden_states, steps, positions)
@@ -325,11 +328,11 @@ def ttt_loss(draft: nn.Module, aux_hidden_states: torch.Tensor, input_ids: torch
                                for t in (target_probs, position_mask, loss_mask))
         # Recomputed in backward: keeps only the [B, S, V_draft] logits per step, not their
         # fp32 log-probabilities and products (about 5x the bytes in bf16).
-        loss = checkpoint(soft_cross_entropy, step_logits, probs, pmask, lmask,
-                          use_reentrant=False)
-        total = total + TTT_STEP_WEIGHT**k * loss
+        step_loss = checkpoint(loss.mean, step_logits, probs, pmask, lmask,
+                               use_reentrant=False)
+        total = total + TTT_STEP_WEIGHT**k * step_loss
         counted = (lmask.bool() & pmask.bool())
         hits = (step_logits.argmax(-1) == probs.argmax(-1)) & counted
-        losses.append(loss.detach())
+        losses.append(step_loss.detach())
         accuracies.append(hits.sum() / counted.sum().clamp_min(1))
     return total, torch.stack(losses), torch.stack(accuracies).float()

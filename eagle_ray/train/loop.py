@@ -2,7 +2,7 @@
 
 Each worker streams its shard's micro-batches through a `PoolClient` -- the in-flight window
 prefetches supervision, so target latency overlaps the draft's compute -- and trains with DDP,
-AdamW, warm-up + cosine decay and gradient clipping; checkpoints go through
+AdamW (or Muon beside it), warm-up + cosine decay and gradient clipping; checkpoints go through
 `ray.train.Checkpoint`, and a rerun with the same `run_name` resumes. Rank 0 exports the draft
 for the target the pool served. The learner (`DraftLearner`) imports no Ray -- `bench gpu` runs
 it on machines without Ray -- so Ray and the pool are imported where a worker uses them.
@@ -18,7 +18,6 @@ import logging
 import math
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,16 +27,19 @@ import torch
 from eagle_ray.config import ClientConfig, DataConfig, JobConfig, TrainConfig, to_dict
 from eagle_ray.contract.checkpoint import load_embedding_and_head
 from eagle_ray.contract.identity import TargetIdentity
+from eagle_ray.contract.losses import SlotLoss
 from eagle_ray.contract.supervision import DraftVocab, draft_target
 from eagle_ray.contract.target_head import TargetHead
 from eagle_ray.data.micro_batches import padding_share, token_budget_micro_batches
 from eagle_ray.data.supervision_cache import SupervisionCache
+from eagle_ray.draft.dflash import BlockWeighting
 from eagle_ray.draft.export import export_draft
 from eagle_ray.draft.kinds import build_draft
 from eagle_ray.draft.model import DraftConfig
 from eagle_ray.plan import check_worker_memory
 from eagle_ray.train.device import DevicePrefetcher, autocast_dtype
 from eagle_ray.train.nonfinite import NonFiniteGuard
+from eagle_ray.train.optimizers import DraftOptimizer
 from eagle_ray.train.run_record import RECORD_FILE
 from eagle_ray.train.trackers import Trackers
 
@@ -96,7 +98,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if done % train.log_every and done % train.checkpoint_every and done != train.steps:
             outputs.progress(done)
             continue
-        metrics, worker_tokens_per_s = window.flush(done, learner.scheduler.get_last_lr()[0],
+        metrics, worker_tokens_per_s = window.flush(done, learner.optimizer.lr,
                                                     learner.guard.skipped)
         outputs.log(done, metrics, worker_tokens_per_s)
         if done % train.checkpoint_every == 0 or done == train.steps:
@@ -110,9 +112,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 
 class DraftLearner:
-    """The draft (any kind: its `objective` is the loss of a step),
-    wrapped for DDP, with its optimizer and schedule: one TTT step at a time. A step with a
-    non-finite loss or gradient is skipped on every rank (`guard`, `skipped`).
+    """The draft (any kind: its `objective` is the loss of a step, each slot scored with
+    `train.loss`), wrapped for DDP, with its optimizers and schedule (`train.optimizer`): one
+    TTT step at a time. A step with a non-finite loss or gradient is skipped on every rank
+    (`guard`, `skipped`).
 
     `prepare` wraps the draft for its workers (Ray Train's `prepare_model`: DDP, the device);
     None moves it to `device` unwrapped (one process, as in tests)."""
@@ -125,9 +128,8 @@ class DraftLearner:
         self.vocab, self.draft = vocab, draft
         self.model = prepare(draft) if prepare else draft.to(device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=train.lr,
-                                           weight_decay=train.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(train))
+        self.loss = SlotLoss(train.loss, train.lk_eta)
+        self.optimizer = DraftOptimizer(self.model, train)
         self.guard = NonFiniteGuard(train.max_nonfinite_steps)
         self.skipped = False  # the last step wrote nothing: its loss or gradient was not finite
 
@@ -146,15 +148,15 @@ class DraftLearner:
         config = DraftConfig.from_target(target_config, vocab.size, train.intermediate_size,
                                          spec.num_layers, len(setup.served.aux_layer_ids))
         draft = build_draft(spec.kind, config, embedding.weight, setup.mask_token_id,
-                            spec.anchors_per_row, spec.loss_decay_gamma)
+                            spec.anchors_per_row, BlockWeighting(
+                                spec.loss_weighting, spec.loss_decay_gamma, spec.dpace_alpha))
         return cls(draft, head, vocab, train, device, ray.train.torch.prepare_model)
 
     def save(self, directory: Path, step: int) -> None:
-        """Write the draft, optimizer and schedule at `step` into `directory` (what `resume`
+        """Write the draft, optimizers and schedule at `step` into `directory` (what `resume`
         reads)."""
         state = {"draft": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "step": step,
-                 "nonfinite_steps": self.guard.skipped}
+                 "step": step, "nonfinite_steps": self.guard.skipped}
         torch.save(state, Path(directory) / CHECKPOINT_FILE)
 
     def resume(self, checkpoint, rank: int) -> int:
@@ -162,15 +164,18 @@ class DraftLearner:
 
         Its tensors load into host memory: as saved they name rank 0's GPU, which a node's
         workers all see (Ray Train shares CUDA_VISIBLE_DEVICES), so each would put the draft and
-        AdamW's state there; `load_state_dict` copies them onto this learner's device."""
+        AdamW's state there; `load_state_dict` copies them onto this learner's device. A
+        checkpoint from before `train.optimizer` existed holds one AdamW and its schedule."""
         if checkpoint is None:
             return 0
         with checkpoint.as_directory() as ckpt_dir:
             state = torch.load(Path(ckpt_dir) / CHECKPOINT_FILE, map_location="cpu",
                                weights_only=False)
         self.draft.load_state_dict(state["draft"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        optimizer = state["optimizer"]
+        if "scheduler" in state:
+            optimizer = {"optimizers": [optimizer], "schedules": [state["scheduler"]]}
+        self.optimizer.load_state_dict(optimizer)
         self.guard.skipped = state.get("nonfinite_steps", 0)
         logger.info("worker %d resumes at step %d", rank, state["step"])
         return state["step"]
@@ -185,18 +190,16 @@ class DraftLearner:
               else contextlib.nullcontext()):
             loss, step_losses, step_accuracies = self.draft.objective(
                 self.model, batch.aux_hidden_states, batch.input_ids, batch.loss_mask, probs,
-                position_mask, self.train.ttt_steps, batch.positions)
-        self.optimizer.zero_grad(set_to_none=True)
+                position_mask, self.train.ttt_steps, batch.positions, self.loss)
+        self.optimizer.zero_grad()
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.train.grad_clip)
-        self.skipped = not self.guard.take(loss, grad_norm, self.scheduler.last_epoch + 1)
+        self.skipped = not self.guard.take(loss, grad_norm, self.optimizer.scheduled_steps + 1)
         if self.skipped:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()
         else:
             self.optimizer.step()
-        with warnings.catch_warnings():  # a first step skipped: the schedule advances alone
-            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step")
-            self.scheduler.step()
+        self.optimizer.advance_schedule()
         return {"loss": loss.detach(), "grad_norm": grad_norm,
                 **{f"loss_{k}": v for k, v in enumerate(step_losses)},
                 **{f"acc_{k}": v for k, v in enumerate(step_accuracies)}}
@@ -386,11 +389,3 @@ class TimedIterator:
         finally:
             self.seconds += time.perf_counter() - started
 
-
-def _warmup_cosine(train: TrainConfig):
-    def factor(step: int) -> float:
-        if step < train.warmup_steps:
-            return (step + 1) / train.warmup_steps
-        progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return factor

@@ -10,11 +10,14 @@ import torch
 from kit_helpers import counting_forwards, perturbed_kind_draft, train_draft_on_random_rows
 
 from eagle_ray.contract.identity import TargetIdentity
+from eagle_ray.contract.losses import SlotLoss
 from eagle_ray.contract.supervision import draft_target
-from eagle_ray.draft.dflash import DFlashDraft, default_decay_gamma, sample_anchors
+from eagle_ray.draft.dflash import BlockWeighting, DFlashDraft, default_decay_gamma, sample_anchors
 from eagle_ray.draft.export import export_draft, load_exported_draft, validate_export
 from eagle_ray.draft.model import rotate
 from eagle_ray.testing import random_micro_batch
+
+from loss_oracles import dpace_block_weights, slot_value, softmax
 
 MASK = 0  # the kit's pad token: no text uses it
 
@@ -91,10 +94,13 @@ def test_each_training_block_is_what_vllm_computes_for_that_block(setup):
             assert (other[1:] - logits[0, i, 1:]).abs().max() > 1e-3, (anchor, control)
 
 
-def independent_loss(draft, batch, probs, position_mask, depth):
+def independent_loss(draft, batch, probs, position_mask, depth, name="forward_kl",
+                     dpace_alpha=None):
     """The references' weighted mean, slot by slot: every anchor b (its token an answer token)
-    and block slot j, scored against the target at slot b + j - 1 where token b + 1 + j is an
-    answer token, weighted exp(-(j - 1) / gamma)."""
+    and block slot j, scored with loss `name` against the target at slot b + j - 1 where token
+    b + 1 + j is an answer token, weighted exp(-(j - 1) / gamma). With `dpace_alpha`: D-PACE's
+    weights (Eq. 8 over the block, from the draft's probability of the target's top token),
+    the weighted sum over the supervised slots' count."""
     gamma = default_decay_gamma(depth + 1)
     total = weights = 0.0
     rows, seq = batch.input_ids.shape
@@ -104,13 +110,21 @@ def independent_loss(draft, batch, probs, position_mask, depth):
             if not (batch.loss_mask[row, b] and position_mask[row, b]):
                 continue
             logits = vllm_block_logits(draft, aux, tokens, b, depth)
+            valid, values, confidences = [], [], []
             for j in range(1, depth + 1):
-                if b + j >= seq or not (batch.loss_mask[row, b + j]
-                                        and position_mask[row, b + j - 1]):
-                    continue
-                ce = -(probs[row, b + j - 1] * logits[j].log_softmax(-1)).sum()
-                total += math.exp(-(j - 1) / gamma) * float(ce)
-                weights += math.exp(-(j - 1) / gamma)
+                valid.append(b + j < seq and bool(batch.loss_mask[row, b + j])
+                             and bool(position_mask[row, b + j - 1]))
+                target = probs[row, min(b + j - 1, seq - 1)]
+                values.append(slot_value(name, logits[j].tolist(), target.tolist()))
+                confidences.append(softmax(logits[j].tolist())[int(target.argmax())])
+            decay = [math.exp(-(j - 1) / gamma) for j in range(1, depth + 1)]
+            slot_weights = (decay if dpace_alpha is None
+                            else dpace_block_weights(confidences, valid, dpace_alpha))
+            for keep, value, weight, factor in zip(valid, values, slot_weights, decay,
+                                                   strict=True):
+                if keep:
+                    total += weight * value
+                    weights += factor if dpace_alpha is None else 1
     return total / weights
 
 
@@ -127,6 +141,30 @@ def test_the_objective_is_the_references_weighted_block_loss(setup):
     # The control: targets one slot later (the EAGLE-3 step's) give another loss.
     later = torch.cat([probs[:, 1:], torch.zeros_like(probs[:, :1])], dim=1)
     assert abs(independent_loss(draft, batch, later, position_mask, 3) - expected) > 1e-2
+
+
+@pytest.mark.parametrize(("name", "weighting"), [
+    ("reverse_kl", "decay"), ("jensen_shannon", "dpace"), ("forward_kl", "dpace"),
+    ("lk_hybrid", "dpace")])
+@torch.no_grad()
+def test_each_loss_and_d_pace_are_the_block_loss_computed_slot_by_slot(setup, name, weighting):
+    target, vocab, _, draft = setup
+    batch = kit_batch(target, (13, 9), seed=4)
+    probs, position_mask = draft_target(batch, vocab, target.get_target_head())
+    alpha = 0.4 if weighting == "dpace" else None
+    original = draft.weighting
+    try:
+        draft.weighting = BlockWeighting(weighting, dpace_alpha=0.4)
+        loss = draft.objective(draft, batch.aux_hidden_states, batch.input_ids,
+                               batch.loss_mask, probs, position_mask, 3, loss=SlotLoss(name))[0]
+    finally:
+        draft.weighting = original
+    expected = independent_loss(draft, batch, probs, position_mask, 3, name, alpha)
+    assert abs(float(loss) - expected) < 1e-4, (float(loss), expected)
+    # The control: the other weighting of the same slots' losses.
+    other = independent_loss(draft, batch, probs, position_mask, 3, name,
+                             None if alpha else 0.4)
+    assert abs(other - expected) > 1e-2
 
 
 def test_anchors_are_answer_slots_drawn_up_to_the_limit():

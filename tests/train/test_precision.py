@@ -110,7 +110,7 @@ def test_the_training_loop_learns_in_bf16_autocast_with_fp32_master_weights(kit_
     assert bf16_losses != fp32_losses  # the two paths can be told apart
     for learner in (fp32, bf16):
         assert {p.dtype for p in learner.draft.parameters()} == {torch.float32}
-        moments = [t for state in learner.optimizer.state.values()
+        moments = [t for part in learner.optimizer.parts for state in part.state.values()
                    for name, t in state.items() if name in ("exp_avg", "exp_avg_sq")]
         assert moments and {t.dtype for t in moments} == {torch.float32}
     relative = [abs(b - f) / f for b, f in zip(bf16_losses, fp32_losses, strict=True)]

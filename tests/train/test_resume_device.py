@@ -56,8 +56,9 @@ def test_a_resumed_learner_holds_the_checkpoint_on_its_own_device(tmp_path, monk
     assert [torch.device(kw["map_location"]) for kw in asked] == [torch.device("cpu")]
 
     state = {"draft": resumed.draft.state_dict(), "optimizer": resumed.optimizer.state_dict()}
-    moments = [t for s in resumed.optimizer.state.values() for n, t in s.items() if n != "step"]
+    moments = [t for part in resumed.optimizer.parts for s in part.state.values()
+               for n, t in s.items() if n != "step"]
     assert moments and {t.device for t in tensors(state)} == {resumed.device}
     for name, value in trained.draft.state_dict().items():
         assert torch.equal(state["draft"][name], value), name
-    assert resumed.scheduler.last_epoch == trained.scheduler.last_epoch == 2
+    assert resumed.optimizer.scheduled_steps == trained.optimizer.scheduled_steps == 2
