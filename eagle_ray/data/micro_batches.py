@@ -71,13 +71,13 @@ def token_budget_micro_batches(rows: Iterable[Row | tuple], max_tokens: int, max
 
 def _pack(rows: list, max_tokens: int, max_rows: int, pad_id: int,
           rng: random.Random) -> Iterator[MicroBatch]:
-    groups = _group(rows, max_tokens, max_rows, lambda row: len(row[0]))
+    groups = length_groups(rows, max_tokens, max_rows, lambda row: len(row[0]))
     rng.shuffle(groups)
     for group in groups:
         yield collate(group, pad_id)
 
 
-def _group(items: list, max_tokens: int, max_rows: int, length: Callable[[Any], int]
+def length_groups(items: list, max_tokens: int, max_rows: int, length: Callable[[Any], int]
            ) -> list[list]:
     """`items` sorted by `length` and cut into groups of at most `max_rows` whose rows x longest
     stays within `max_tokens` (a longer one alone)."""
@@ -99,7 +99,7 @@ def micro_batches_per_epoch(lengths: Sequence[int], max_tokens: int, max_rows: i
     per_worker = []
     for worker in range(workers):
         shard = list(lengths[worker::workers])
-        per_worker.append(sum(len(_group(shard[i:i + window], max_tokens, max_rows, int))
+        per_worker.append(sum(len(length_groups(shard[i:i + window], max_tokens, max_rows, int))
                               for i in range(0, len(shard), window)))
     return sum(per_worker) / max(workers, 1)
 
