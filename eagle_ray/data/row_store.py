@@ -64,7 +64,8 @@ class RowStore:
         offset = np.concatenate([np.arange(len(k), dtype=np.int64) for k, _ in parts]
                                 or [np.zeros(0, np.int64)])
         lengths = np.concatenate([n for _, n in parts] or [np.zeros(0, np.int64)])
-        names = set(dataset.schema().names)
+        schema = dataset.schema()  # None: no rows (`DataOrder.shard` says so)
+        names = set(schema.names) if schema is not None else set()
         columns = ROW_COLUMNS + tuple(c for c in IMAGE_ROW_COLUMNS if c in names)
         digest = hashlib.sha1("\n".join(keys[by_key].tolist()).encode()).hexdigest()
         return cls(blocks, block_of[by_key], offset[by_key], lengths[by_key], columns, digest)
