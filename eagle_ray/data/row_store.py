@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from eagle_ray.config import DataConfig
 from eagle_ray.contract.images import MicroBatch
 from eagle_ray.data.micro_batches import collate
 from eagle_ray.data.order import DataOrder
@@ -57,13 +58,13 @@ class RowStore:
                   for ref in bundle.block_refs]
         parts = ray.get([_keys_and_lengths.options(num_cpus=cpus_per_task).remote(ref)
                          for ref in blocks])
-        keys = np.concatenate([k for k, _ in parts]) if parts else np.array([], dtype=str)
+        sizes = [len(k) for k, _ in parts]
+        keys = np.concatenate([k for k, _ in parts] + [np.array([], dtype=str)])
         by_key = np.argsort(keys, kind="stable")
-        block_of = np.concatenate([np.full(len(k), b, dtype=np.int64)
-                                   for b, (k, _) in enumerate(parts)] or [np.zeros(0, np.int64)])
-        offset = np.concatenate([np.arange(len(k), dtype=np.int64) for k, _ in parts]
-                                or [np.zeros(0, np.int64)])
-        lengths = np.concatenate([n for _, n in parts] or [np.zeros(0, np.int64)])
+        block_of = np.repeat(np.arange(len(parts), dtype=np.int64), sizes)
+        offset = np.concatenate([np.arange(n, dtype=np.int64) for n in sizes]
+                                + [np.zeros(0, np.int64)])
+        lengths = np.concatenate([n for _, n in parts] + [np.zeros(0, np.int64)])
         schema = dataset.schema()  # None: no rows (`DataOrder.shard` says so)
         names = set(schema.names) if schema is not None else set()
         columns = ROW_COLUMNS + tuple(c for c in IMAGE_ROW_COLUMNS if c in names)
@@ -89,9 +90,8 @@ class RowStore:
                 found[i] = row
         return [found[i] for i in ids.tolist()]
 
-    def order(self, data, seed: int) -> DataOrder:
-        """The order a job with `data`'s packing settings (`DataConfig`) and `seed` trains
-        these rows in."""
+    def order(self, data: DataConfig, seed: int) -> DataOrder:
+        """The order a job with `data`'s packing settings and `seed` trains these rows in."""
         return DataOrder.for_job(self.lengths, data, seed)
 
     def epoch_micro_batches(self, order: DataOrder, epoch: int = 0, pad_id: int = 0
