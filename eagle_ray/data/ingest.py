@@ -245,8 +245,8 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, tokenizer_at: st
                      client: PoolClient, output_dir: Path) -> JobData:
     """Read (and, with `regenerate.enabled`, regenerate) the job's data; split off the held-out
     conversations; build the tokenised training dataset and the draft vocabulary."""
-    # The workers' split coordinator re-executes the dataset every epoch; Ray Data's progress
-    # bars would print a set per execution into the driver's console. The job logs its counts.
+    # Ray Data's progress bars would print a set per execution (reading, counting, keeping the
+    # rows) into the driver's console. The job logs its counts.
     ray.data.DataContext.get_current().enable_progress_bars = False
     data = dataclasses.replace(config.data, path=chat_source(config, output_dir))
     source = read_chats(data.path, data.num_samples, data.cpus_per_task)
