@@ -40,8 +40,7 @@ class DataConfig:
     micro_batch_size: int = 8
     """Rows per micro-batch at most."""
     shuffle_window: int = 256
-    """Rows of an epoch's seeded order sorted by length and packed into micro-batches together
-    (docs/training.md, "Exact resume")."""
+    """Rows shuffled, sorted by length and packed into micro-batches together on each worker."""
     cpus_per_task: float = 0.1
     """CPUs of each Ray Data read / tokenise / filter task or actor."""
     tokenize_workers: int = 1

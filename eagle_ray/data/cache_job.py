@@ -28,6 +28,7 @@ def run_cache(config: JobConfig, log_to_driver: bool = True,
     from eagle_ray.data.ingest import prepare_job_data
     from eagle_ray.driver import check_paths, init_ray, job_pool
     from eagle_ray.resources import check_job_resources
+    from eagle_ray.train.loop import epoch_micro_batches
 
     if not config.data.supervision_cache:
         raise ConfigError("eagle-ray cache writes to data.supervision_cache: set it to a folder "
@@ -49,8 +50,8 @@ def run_cache(config: JobConfig, log_to_driver: bool = True,
         replicas = max(len(pool.pool_status().replicas), 1)
         client = pool.client(ClientConfig(max_inflight_micro_batches=4 * replicas))
         started = time.perf_counter()
-        micro_batches = data.train.epoch_micro_batches(
-            data.train.order(config.data, config.train.seed), 0, tokenizer.pad_token_id or 0)
+        micro_batches = epoch_micro_batches(data.train, config.data,
+                                            tokenizer.pad_token_id or 0, config.train.seed)
         for batch in tqdm(client.stream(micro_batches), desc="supervision cache",
                           unit=" micro-batches", total=None, mininterval=2.0):
             writer.add(batch)

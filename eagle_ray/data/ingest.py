@@ -1,11 +1,10 @@
-"""Chat data at cluster scale: files -> Ray Data -> tokenised rows, kept for the trainers.
+"""Chat data at cluster scale: files -> Ray Data -> tokenised rows, streamed to the trainers.
 
 Nothing is collected on the driver. `read_chats` reads JSONL or Parquet (a file, a folder, or a
 list of them) with Ray Data; `tokenized` adds a `map_batches` stage that renders and masks each
 conversation with the target's chat template (`eagle_ray.data.chat`) on the cluster's CPUs and marks
-what happened to it; the training rows are materialised in the object store and indexed by row
-id (`eagle_ray.data.row_store`), and each worker reads the token-budget micro-batches that the
-fixed order (`eagle_ray.data.order`) deals it. The driver makes one
+what happened to it; the workers read their shard with `ray.train.get_dataset_shard` and build
+token-budget micro-batches (`eagle_ray.data.token_budget_micro_batches`). The driver makes one
 streaming pass (`count_answers`) for the draft vocabulary and the counts, cached beside it.
 Small inputs (`data.tokenize_in_driver_mb`) are tokenised by the same stage in the driver
 (`tokenized_in_driver`): the same rows, without starting tokenising actors.
@@ -47,7 +46,7 @@ from eagle_ray.data.images import (
     load_vision_processor,
     with_image_root,
 )
-from eagle_ray.data.row_store import RowStore
+from eagle_ray.data.micro_batches import micro_batches_per_epoch
 from eagle_ray.data.tokenize import (
     IMAGE_LOAD_DROPS,
     TRAINED,
@@ -63,9 +62,8 @@ CHAT_COLUMNS = ("messages", "conversations")
 # `data.path: null` trains on the kit's chats answered by "another model" (`tiny`), so that
 # regenerating them with the target changes what the draft learns, as with real datasets.
 GENERATED_WRITER = "other"
-# Tokenised data estimated under this share of the cluster's object store is materialised before
-# the counting pass (one tokenising execution for both); a row costs its ids and mask (int64
-# each) per token.
+# Training rows smaller than this share of the cluster's object store are materialised there
+# once instead of re-read every epoch; a row costs its ids and mask (int64 each) per token.
 CACHE_SHARE = 0.1
 BYTES_PER_TOKEN = 16
 # Tokenised bytes per byte of chat file, an upper estimate (~4 bytes of text per token, 16 bytes
@@ -233,20 +231,20 @@ def _column(values: list[Any]) -> np.ndarray:
 class JobData:
     """What the training job trains on and evaluates with."""
 
-    train: RowStore | None  # the training rows, by id (None: a supervision cache's job)
+    train: Any  # Ray Dataset of training rows (`input_ids`, `loss_mask`, ...), lazily streamed
     held_out: list[list[dict[str, str]]]  # evaluation conversations (never trained on)
     vocab: DraftVocab
     statuses: dict[str, int]  # what happened to the training conversations (`data.STATUSES`)
     regenerated: dict[str, Any] | None  # the regeneration report, when answers were regenerated
-    micro_batches_per_epoch: float | None = None  # per worker (epoch 0's, for `train.epochs`)
+    micro_batches_per_epoch: float | None = None  # per worker (measured for `train.epochs`)
 
 
 def prepare_job_data(config: JobConfig, served: TargetIdentity, tokenizer_at: str, tokenizer,
                      client: PoolClient, output_dir: Path) -> JobData:
     """Read (and, with `regenerate.enabled`, regenerate) the job's data; split off the held-out
     conversations; build the tokenised training dataset and the draft vocabulary."""
-    # Ray Data's progress bars would print a set per execution (reading, counting, keeping the
-    # rows) into the driver's console. The job logs its counts.
+    # The workers' split coordinator re-executes the dataset every epoch; Ray Data's progress
+    # bars would print a set per execution into the driver's console. The job logs its counts.
     ray.data.DataContext.get_current().enable_progress_bars = False
     data = dataclasses.replace(config.data, path=chat_source(config, output_dir))
     source = read_chats(data.path, data.num_samples, data.cpus_per_task)
@@ -295,15 +293,21 @@ def prepare_job_data(config: JobConfig, served: TargetIdentity, tokenizer_at: st
     train = training_rows(rows, held_keys, data.cpus_per_task)
     train_bytes = statuses["training_tokens"] * BYTES_PER_TOKEN + (
         statuses.get("training_image_bytes", 0) if vision else 0)
-    # Kept in the object store (Ray spills what exceeds it to disk): the fixed order reads rows
-    # by id (`RowStore`), and later epochs neither re-read nor re-tokenise.
-    logger.info("keeping the tokenised training rows in the object store (%.1f MiB)",
-                train_bytes / 2**20)
-    store = RowStore.from_dataset(train.materialize(), data.cpus_per_task)
+    if keep or train_bytes < budget:
+        # Small enough to keep: later epochs then neither re-read nor re-tokenise (a new
+        # execution per epoch starts a tokenising actor and leaves the trainers waiting).
+        logger.info("keeping the tokenised training rows in the object store (%.1f MiB)",
+                    train_bytes / 2**20)
+        train = train.materialize()
     per_epoch = None
-    if config.train.epochs is not None:
-        per_epoch = len(store.order(data, config.train.seed).epoch(0)) / config.train.workers
-    return JobData(store, held, vocab, {**statuses, "max_length": max_length}, regenerated,
+    if config.train.epochs is not None:  # one more pass, over the rows' lengths only
+        lengths = [int(n) for batch in (train.select_columns(["length"]) if vision else train
+                                        ).iter_batches(batch_size=4096, batch_format="numpy")
+                   for n in batch["length"]]
+        per_epoch = micro_batches_per_epoch(lengths, data.max_tokens_per_micro_batch,
+                                            data.micro_batch_size, data.shuffle_window,
+                                            config.train.workers)
+    return JobData(train, held, vocab, {**statuses, "max_length": max_length}, regenerated,
                    per_epoch)
 
 

@@ -9,7 +9,7 @@ always had."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -71,13 +71,13 @@ def token_budget_micro_batches(rows: Iterable[Row | tuple], max_tokens: int, max
 
 def _pack(rows: list, max_tokens: int, max_rows: int, pad_id: int,
           rng: random.Random) -> Iterator[MicroBatch]:
-    groups = length_groups(rows, max_tokens, max_rows, lambda row: len(row[0]))
+    groups = _group(rows, max_tokens, max_rows, lambda row: len(row[0]))
     rng.shuffle(groups)
     for group in groups:
         yield collate(group, pad_id)
 
 
-def length_groups(items: list, max_tokens: int, max_rows: int, length: Callable[[Any], int]
+def _group(items: list, max_tokens: int, max_rows: int, length: Callable[[Any], int]
            ) -> list[list]:
     """`items` sorted by `length` and cut into groups of at most `max_rows` whose rows x longest
     stays within `max_tokens` (a longer one alone)."""
@@ -89,6 +89,19 @@ def length_groups(items: list, max_tokens: int, max_rows: int, length: Callable[
             groups.append(group := [])
         group.append(item)
     return groups
+
+
+def micro_batches_per_epoch(lengths: Sequence[int], max_tokens: int, max_rows: int,
+                            window: int, workers: int) -> float:
+    """Micro-batches a worker packs from one pass over rows of `lengths` (dealt out evenly to
+    `workers`, packed window by window as `token_budget_micro_batches` packs them): what
+    `train.epochs` turns into steps (the workers' own shards differ a little)."""
+    per_worker = []
+    for worker in range(workers):
+        shard = list(lengths[worker::workers])
+        per_worker.append(sum(len(_group(shard[i:i + window], max_tokens, max_rows, int))
+                              for i in range(0, len(shard), window)))
+    return sum(per_worker) / max(workers, 1)
 
 
 def padding_share(micro_batch: MicroBatch) -> float:

@@ -13,6 +13,7 @@ neither the pool nor the data, and a cache made by another target or other aux i
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -30,7 +31,6 @@ from eagle_ray.contract.fp8 import dequantize_fp8, encode_batch
 from eagle_ray.contract.identity import TargetIdentity, check_job_target
 from eagle_ray.contract.supervision import DraftVocab
 from eagle_ray.contract.target_batch import Eagle3TargetBatch
-from eagle_ray.data.order import shard
 
 logger = logging.getLogger(__name__)
 
@@ -165,19 +165,15 @@ class SupervisionCache:
             tensors[field] = tensor
         return Eagle3TargetBatch(**tensors, num_aux_layers=len(self.identity.aux_layer_ids))
 
-    def stream(self, rank: int = 0, world: int = 1, seed: int = 0, start: int = 0
-               ) -> Iterator[tuple[int, list[int], Eagle3TargetBatch]]:
-        """`(position, [key], micro-batch)` of worker `rank` of `world` from global position
-        `start` on: each epoch every micro-batch once, in its own seeded order, the epochs one
-        global sequence dealt out as `eagle_ray.data.order` deals rows (so a resumed run, at
-        any number of workers, continues it)."""
-        if not len(self):
-            raise RuntimeError(f"the supervision cache {self.path} holds no micro-batches")
-
-        def epoch(e: int) -> list[int]:
-            keys = list(range(len(self)))
-            random.Random(seed * 1000 + e).shuffle(keys)
-            return keys
-
-        for position, key in shard(epoch, start, rank, world):
-            yield position, [key], self.read(key)
+    def stream(self, rank: int = 0, world: int = 1, seed: int = 0) -> Iterator[Eagle3TargetBatch]:
+        """Worker `rank` of `world`'s micro-batches (every `world`-th), epoch after epoch, each
+        epoch in its own seeded order."""
+        mine = list(range(rank, len(self), world))
+        if not mine:
+            raise RuntimeError(f"worker {rank} has no micro-batches: the supervision cache holds "
+                               f"{len(self)}, fewer than the {world} workers")
+        for epoch in itertools.count():
+            order = mine.copy()
+            random.Random(seed * 1000 + epoch).shuffle(order)
+            for key in order:
+                yield self.read(key)

@@ -96,11 +96,11 @@ def run_job(config: JobConfig, log_to_driver: bool = True) -> dict[str, Any]:
             pool.client(ClientConfig(max_inflight_micro_batches=16)), output_dir)
         config = with_steps_from_epochs(config, data.micro_batches_per_epoch)
         board = ProgressBoard.remote()
-        trainer = torch_trainer(config, output_dir, WorkerSetup(
+        trainer = torch_trainer(config, data, output_dir, WorkerSetup(
             job=config, model_path=model_path, served=served,
             draft_to_target=data.vocab.draft_to_target.tolist(),
             pad_id=tokenizer.pad_token_id or 0, output_dir=str(output_dir),
-            run_record=run_record(config, served), rows=data.train,
+            run_record=run_record(config, served),
             mask_token_id=mask_token_id(config, tokenizer, served), progress=board))
         logger.info("training: %d Ray Train workers, %d steps", config.train.workers,
                     config.train.steps)
@@ -124,11 +124,9 @@ def with_steps_from_epochs(config: JobConfig, micro_batches_per_epoch: float | N
     return dataclasses.replace(config, train=dataclasses.replace(train, steps=steps, epochs=None))
 
 
-def torch_trainer(config: JobConfig, output_dir: Path, setup: WorkerSetup):
+def torch_trainer(config: JobConfig, data, output_dir: Path, setup: WorkerSetup):
     """Ray Train's `TorchTrainer` for the job: its workers, resources, storage and failure
-    handling (bounded, so a worker group that cannot start ends the job). No `datasets=`: the
-    workers read the rows the fixed data order deals them (`WorkerSetup.rows`), not Ray Data's
-    streaming split."""
+    handling (bounded, so a worker group that cannot start ends the job)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -136,6 +134,7 @@ def torch_trainer(config: JobConfig, output_dir: Path, setup: WorkerSetup):
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={SETUP_KEY: setup},
+        datasets={"train": data.train} if data.train is not None else None,
         scaling_config=ScalingConfig(
             num_workers=train.workers, use_gpu=train.use_gpu,
             resources_per_worker={"CPU": train.cpus_per_worker,

@@ -1,14 +1,11 @@
 """One Ray Train worker of the draft-training job (`eagle_ray.train.job.run_job` starts them).
 
-Each worker streams the micro-batches the fixed data order deals it (`eagle_ray.data.order`;
-rows read by id from `eagle_ray.data.row_store`) through a `PoolClient` -- the in-flight window
+Each worker streams its shard's micro-batches through a `PoolClient` -- the in-flight window
 prefetches supervision, so target latency overlaps the draft's compute -- and trains with DDP,
 AdamW (or Muon beside it), warm-up + cosine decay and gradient clipping; checkpoints go through
-`ray.train.Checkpoint`, and a rerun with the same `run_name` resumes, the data order too, at any
-number of workers (`eagle_ray.train.ledger`, which also writes what each step trained). Rank 0
-exports the draft for the target the pool served. The learner (`DraftLearner`) imports no Ray
--- `bench gpu` runs it on machines without Ray -- so Ray and the pool are imported where a
-worker uses them.
+`ray.train.Checkpoint`, and a rerun with the same `run_name` resumes. Rank 0 exports the draft
+for the target the pool served. The learner (`DraftLearner`) imports no Ray -- `bench gpu` runs
+it on machines without Ray -- so Ray and the pool are imported where a worker uses them.
 """
 
 from __future__ import annotations
@@ -23,17 +20,17 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from eagle_ray.config import ClientConfig, JobConfig, TrainConfig, to_dict
+from eagle_ray.config import ClientConfig, DataConfig, JobConfig, TrainConfig, to_dict
 from eagle_ray.contract.checkpoint import load_embedding_and_head
 from eagle_ray.contract.identity import TargetIdentity
 from eagle_ray.contract.losses import SlotLoss
 from eagle_ray.contract.supervision import DraftVocab, draft_target
 from eagle_ray.contract.target_head import TargetHead
-from eagle_ray.data.micro_batches import padding_share
+from eagle_ray.data.micro_batches import padding_share, token_budget_micro_batches
 from eagle_ray.data.supervision_cache import SupervisionCache
 from eagle_ray.draft.dflash import BlockWeighting
 from eagle_ray.draft.export import export_draft
@@ -41,14 +38,10 @@ from eagle_ray.draft.kinds import build_draft
 from eagle_ray.draft.model import DraftConfig
 from eagle_ray.plan import check_worker_memory
 from eagle_ray.train.device import DevicePrefetcher, autocast_dtype
-from eagle_ray.train.ledger import RowLedger, resumed_position, save_position
 from eagle_ray.train.nonfinite import NonFiniteGuard
 from eagle_ray.train.optimizers import DraftOptimizer
 from eagle_ray.train.run_record import RECORD_FILE
 from eagle_ray.train.trackers import Trackers
-
-if TYPE_CHECKING:
-    from eagle_ray.data.row_store import RowStore  # imports Ray: the learner needs none
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +61,8 @@ class WorkerSetup:
     pad_id: int
     output_dir: str
     run_record: dict[str, Any]  # saved beside every checkpoint (what a rerun may resume)
-    rows: RowStore | None = None  # the training rows (None: a supervision cache's job)
     mask_token_id: int | None = None  # a P-EAGLE or DFlash draft's
     progress: Any = None  # the driver's `console.ProgressBoard` actor (rank 0 posts to it)
-
-    @property
-    def rows_digest(self) -> str | None:
-        """What a checkpoint records of the rows its data position counts in."""
-        return self.rows.digest if self.rows is not None else None
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -95,17 +82,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         check_worker_memory(job, setup.model_path)
     learner = DraftLearner.for_worker(setup, device)
-    checkpoint = ray.train.get_checkpoint()
-    start_step = learner.resume(checkpoint, rank)
-    ledger = RowLedger(setup.output_dir, rank, world, start_step,
-                       resumed_position(checkpoint, start_step, world, setup.rows_digest),
-                       "cached" if job.data.supervision_cache else "rows")
-    micro_batches, supervision = _supervision(setup, rank, world, ledger)
+    start_step = learner.resume(ray.train.get_checkpoint(), rank)
+    micro_batches, supervision = _supervision(setup, rank, world, start_step)
     on_device = DevicePrefetcher(supervision, device)
     window = MetricsWindow(micro_batches, world)
     outputs = RankOutputs(setup, rank)
     outputs.started(start_step)
-    ledger.started()
     for step in range(start_step, train.steps):
         waited = time.perf_counter()
         host_batch, batch = next(on_device)
@@ -113,16 +95,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         values = learner.step(batch)
         window.add_values(values, skipped=learner.skipped)
         done = step + 1
-        ledger.trained_step(done)
         if done % train.log_every and done % train.checkpoint_every and done != train.steps:
             outputs.progress(done)
             continue
         metrics, worker_tokens_per_s = window.flush(done, learner.optimizer.lr,
                                                     learner.guard.skipped)
         outputs.log(done, metrics, worker_tokens_per_s)
-        ledger.write()
         if done % train.checkpoint_every == 0 or done == train.steps:
-            outputs.checkpoint(metrics, learner, done, ledger.position(done))
+            outputs.checkpoint(metrics, learner, done)
         else:
             ray.train.report(metrics)
     outputs.close()
@@ -225,26 +205,25 @@ class DraftLearner:
                 **{f"acc_{k}": v for k, v in enumerate(step_accuracies)}}
 
 
-def _supervision(setup: WorkerSetup, rank: int, world: int, ledger: RowLedger
+def _supervision(setup: WorkerSetup, rank: int, world: int, start_step: int
                  ) -> tuple[TimedIterator, Iterator]:
     """(the micro-batches read, timed; their supervision): from the supervision cache, or the
-    rows the data order deals this worker, streamed through the pool; either from the ledger's
-    start position, each micro-batch's ids noted in the ledger."""
+    worker's data shard streamed through the pool."""
+    import ray.train
+
     from eagle_ray.pool import PoolClient
 
     job, train = setup.job, setup.job.train
-    start = ledger.start_position
     if job.data.supervision_cache:
         # Supervision read from disk: the time spent reading counts as waiting for data.
-        micro_batches = TimedIterator(ledger.tagged(SupervisionCache.open(
-            job.data.supervision_cache).stream(rank, world, train.seed, start)))
+        micro_batches = TimedIterator(SupervisionCache.open(job.data.supervision_cache).stream(
+            rank, world, train.seed + start_step))
         return micro_batches, micro_batches
     client = PoolClient.connect(job.target.name, job.target.namespace,
                                 ClientConfig(max_inflight_micro_batches=train.prefetch))
-    rows = setup.rows
-    micro_batches = TimedIterator(itertools.islice(ledger.tagged(rows.micro_batches(
-        rows.order(job.data, train.seed), start, rank, world, setup.pad_id)),
-        train.steps - ledger.start_step))
+    micro_batches = TimedIterator(itertools.islice(
+        shard_micro_batches(ray.train.get_dataset_shard("train"), job, setup.pad_id,
+                            rank), train.steps - start_step))
     return micro_batches, client.stream(micro_batches)
 
 
@@ -312,7 +291,6 @@ class RankOutputs:
 
         job, train = setup.job, setup.job.train
         self.rank, self.record = rank, setup.run_record
-        self.rows_digest = setup.rows_digest
         self.metrics_path = Path(setup.output_dir) / "metrics.jsonl"
         self.board = setup.progress if rank == 0 else None
         self.trackers = Trackers(train.loggers, Path(setup.output_dir), job.run_name,
@@ -348,23 +326,51 @@ class RankOutputs:
         if self.trackers is not None:
             self.trackers.log(metrics, step)
 
-    def checkpoint(self, metrics: dict[str, float], learner: DraftLearner, step: int,
-                   position: int) -> None:
-        """Report `metrics` with a checkpoint of `learner` at `step` (written by rank 0), the
-        data order to continue at `position`."""
+    def checkpoint(self, metrics: dict[str, float], learner: DraftLearner, step: int) -> None:
+        """Report `metrics` with a checkpoint of `learner` at `step` (written by rank 0)."""
         import ray.train
 
         with tempfile.TemporaryDirectory() as tmp:
             if self.rank == 0:
                 learner.save(Path(tmp), step)
                 (Path(tmp) / RECORD_FILE).write_text(json.dumps(self.record))
-                save_position(Path(tmp), position, self.rows_digest)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp)
                              if self.rank == 0 else None)
 
     def close(self) -> None:
         if self.trackers is not None:
             self.trackers.close()
+
+
+def shard_micro_batches(shard, job: JobConfig, pad_id: int, rank: int
+                        ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """This worker's shard of the training rows as token-budget micro-batches, epoch after
+    epoch (each epoch's row order and packing seeded by the epoch), for as long as asked."""
+    for epoch in itertools.count():
+        produced = 0
+        for micro_batch in epoch_micro_batches(shard, job.data, pad_id,
+                                               job.train.seed * 1000 + epoch):
+            produced += 1
+            yield micro_batch
+        if not produced:
+            raise RuntimeError(f"worker {rank} received no training rows: the dataset has fewer "
+                               f"rows than workers (train.workers={job.train.workers})")
+
+
+def epoch_micro_batches(dataset, data: DataConfig, pad_id: int, seed: int
+                        ) -> Iterator[tuple[torch.Tensor, ...]]:
+    """One pass over `dataset`'s rows (a Ray Dataset or shard) as token-budget micro-batches,
+    rows shuffled locally and packed with `seed`. A vision-language target's rows carry
+    `pixels` and `image_sizes`: a micro-batch with images ends in its `ImageInputs`."""
+    rows = (row for batch in dataset.iter_batches(
+                batch_size=data.shuffle_window, batch_format="numpy",
+                local_shuffle_buffer_size=data.shuffle_window, local_shuffle_seed=seed)
+            for row in zip(batch["input_ids"], batch["loss_mask"],
+                           *[batch[c] for c in ("pixels", "image_sizes") if c in batch],
+                           strict=True))
+    yield from token_budget_micro_batches(rows, data.max_tokens_per_micro_batch,
+                                          data.micro_batch_size, data.shuffle_window, pad_id,
+                                          seed)
 
 
 class TimedIterator:

@@ -147,3 +147,16 @@ def test_a_sharegpt_json_array_reads_as_its_jsonl_lines(tmp_path):
     assert [m for _, m in array] == [m for _, m in read_conversations(tmp_path / "lines.jsonl")]
     assert array[2][0] == f"{tmp_path / 'dump.json'}[2]"
     assert array[0][1][1] == {"role": "assistant", "content": "a0"}
+
+
+def test_epochs_become_the_micro_batches_a_worker_packs_per_pass():
+    """`train.epochs` -> steps: the rows' lengths packed as `token_budget_micro_batches` packs
+    them, per worker; checked against packing the rows themselves."""
+    from eagle_ray.data.micro_batches import micro_batches_per_epoch
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 200, (301,), generator=generator).tolist()
+    rows = [(list(range(n)), [1] * n) for n in lengths]
+    packed = [len(list(token_budget_micro_batches(rows[w::2], 1024, 8, window=64)))
+              for w in range(2)]
+    assert micro_batches_per_epoch(lengths, 1024, 8, window=64, workers=2) == sum(packed) / 2

@@ -27,13 +27,13 @@ from eagle_ray.data.draft_vocab import count_answers
 from eagle_ray.data.images import VisionProcessor, load_image, load_vision_processor
 from eagle_ray.data.ingest import read_chats, tokenized, training_rows
 from eagle_ray.data.micro_batches import collate, token_budget_micro_batches
-from eagle_ray.data.row_store import RowStore
 from eagle_ray.data.tokenize import (
     tokenize_chats,
     tokenize_image_row,
     tokenize_row,
 )
 from eagle_ray.tiny.vision import build_vl_processor
+from eagle_ray.train.loop import epoch_micro_batches
 
 from pool_helpers import running_ray
 
@@ -241,10 +241,9 @@ def test_ray_data_decodes_images_on_workers_and_batches_carry_them(
     assert {s: statuses[s] for s in ("kept", "dropped_image_missing", "training_images")} == \
         {"kept": 4, "dropped_image_missing": 1, "training_images": 4}
     assert dropped == [f"image {pictures / 'nowhere.png'}: no such file"]  # named, with why
-    store = RowStore.from_dataset(training_rows(rows, []).materialize())
-    assert store.columns == ("input_ids", "loss_mask", "pixels", "image_sizes")
+    train = training_rows(rows, [])
     config = DataConfig(max_tokens_per_micro_batch=4096, micro_batch_size=8, shuffle_window=8)
-    [batch] = list(store.epoch_micro_batches(store.order(config, seed=0)))
+    [batch] = list(epoch_micro_batches(train, config, pad_id=0, seed=0))
     ids, attention, loss, images = batch
     validate_images(images, ids, attention,
                     ImageTokens(vision.image_token_id, vision.patch_size, vision.merge_size))

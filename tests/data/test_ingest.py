@@ -1,18 +1,16 @@
 """Ray Data ingest: JSONL, Parquet and JSON-array (ShareGPT dump) files stream through
 tokenisation to the same rows the in-memory path (and the driver's, for small data) makes;
-held-out conversations are split off deterministically and never trained on; the row store
-reads rows by content-keyed ids and deals each epoch's rows out once; the driver's counting
-pass equals the in-memory counts."""
+held-out conversations are split off deterministically and never trained on; trainers get
+disjoint shards; the driver's counting pass equals the in-memory counts."""
 
-import itertools
 import json
+import threading
 
 import pytest
 import ray
 import torch
 from transformers import AutoTokenizer
 
-from eagle_ray.config import DataConfig
 from eagle_ray.data.chat import conversation_key
 from eagle_ray.data.draft_vocab import answer_token_counts, count_answers
 from eagle_ray.data.ingest import (
@@ -23,7 +21,6 @@ from eagle_ray.data.ingest import (
     tokenized_in_driver,
     training_rows,
 )
-from eagle_ray.data.row_store import RowStore
 from eagle_ray.data.tokenize import tokenize_chats
 from eagle_ray.tiny import generate_chat_samples
 
@@ -112,32 +109,25 @@ def test_the_counting_pass_equals_the_in_memory_counts(files, llama_path):
     assert tokens == sum(len(ids) for ids, _ in in_memory.rows)
 
 
-def test_the_row_store_reads_rows_by_ids_that_follow_the_content_not_the_block_order(
-        files, llama_path):
-    """Row ids are the rows' ranks by conversation key: a dataset of the same rows in other
-    blocks, in another order, gives every id the same row; the workers of one epoch read every
-    row once, each its own micro-batches."""
+def test_trainers_get_disjoint_shards_covering_every_row(files, llama_path):
     rows = tokenized(read_chats(files["jsonl"], 0, 0.25), str(llama_path), MAX_LENGTH, 10**6,
                      "truncate", 0.25)
-    everything = training_rows(rows, set()).materialize()
-    store = RowStore.from_dataset(everything)
-    shuffled = RowStore.from_dataset(everything.random_shuffle(seed=3).repartition(5)
-                                     .materialize())
-    assert len(store.blocks) != len(shuffled.blocks), "the test covers other blocks"
-    by_key = sorted((r["key"], list(r["input_ids"])) for r in everything.iter_rows())
-    ids = list(range(len(store)))
-    assert [list(ids) for ids, _ in store.rows(ids)] == [row for _, row in by_key]
-    assert [list(r[0]) for r in shuffled.rows(ids[::-1])] == [row for _, row in by_key[::-1]]
-    assert shuffled.digest == store.digest
-    order = store.order(DataConfig(max_tokens_per_micro_batch=128, micro_batch_size=4,
-                                   shuffle_window=16), seed=0)
-    per_epoch = len(order.epoch(0))
-    shares = [list(itertools.islice(store.micro_batches(order, 0, rank, 2),
-                                    (per_epoch + 1 - rank) // 2)) for rank in range(2)]
-    read = [item for share in shares for item in share]
-    assert sorted(position for position, _, _ in read) == list(range(per_epoch))
-    assert sorted(i for _, row_ids, _ in read for i in row_ids) == ids, "every row once"
-    for _, row_ids, (input_ids, attention_mask, _) in read:
-        assert [list(r[0]) for r in store.rows(row_ids)] == \
-            [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask,
-                                                             strict=True)]
+    everything = training_rows(rows, set())
+    expected = sorted(r["key"] for r in everything.iter_rows())
+    shards = everything.streaming_split(2, equal=True)  # what Ray Train hands its workers
+    seen: list[list[str]] = [[], []]
+
+    def read(i):
+        seen[i] = [key for batch in shards[i].iter_batches(batch_size=8, batch_format="numpy")
+                   for key in batch["key"]]
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert len(seen[0]) == len(seen[1]) == len(expected) // 2, "equal shares"
+    remaining = list(expected)
+    for key in seen[0] + seen[1]:
+        remaining.remove(key)  # raises if a row came twice or from nowhere: disjoint
+    assert len(remaining) == len(expected) % 2, "only the odd row out is left"
